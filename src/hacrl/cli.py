@@ -1,0 +1,106 @@
+"""``hacrl`` command line: compose the config, run one stage (what dvc.yaml calls)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+# offline and quiet by default: nothing in a stage may reach the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not Path("/dev/nvidia0").exists() else "cuda")
+
+log = logging.getLogger("hacrl")
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from hacrl.config import compose, write_params
+
+    data = compose(args.overrides)
+    out = Path(args.out)
+    if args.check:
+        import yaml
+
+        current = yaml.safe_load(out.read_text()) if out.exists() else None
+        if current != data:
+            print(f"hacrl: {out} differs from the composition of conf/ (run `hacrl config`)", file=sys.stderr)
+            return 1
+        return 0
+    write_params(data, out)
+    print(f"wrote {out} ({data['algorithm']['name']}, {len(data['agents'])} agents, "
+          f"{data['experiment']['iterations']} iterations)")
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from hacrl import config as config_mod
+    from hacrl.stages import STAGES
+    from hacrl.storage import clean_tmp
+
+    cfg = config_mod.load(args.params)
+    if args.name not in STAGES:
+        raise config_mod.ConfigError(f"stage: unknown stage {args.name!r} (choose from {', '.join(STAGES)})")
+    t = args.iteration
+    if args.name in ("generate-rollouts", "verify-rewards", "exchange-and-align",
+                     "compute-capability-stats", "update-policies") and t < 1:
+        raise config_mod.ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
+    removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
+    if removed:
+        log.info("removed %d temporary leftovers of an interrupted run", removed)
+    t0 = time.time()
+    log.info("stage %s (iteration %d) started", args.name, t)
+    result = STAGES[args.name](cfg, t)
+    log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, time.time() - t0)
+    if args.print_result:
+        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config", help="compose conf/ (+ Hydra overrides) into params.yaml")
+    c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algorithm=gspo rollout.group_size=4")
+    c.add_argument("--out", default="params.yaml")
+    c.add_argument("--check", action="store_true", help="only check that --out equals the composition")
+    c.set_defaults(fn=cmd_config)
+    s = sub.add_parser("stage", help="run one pipeline stage")
+    s.add_argument("name")
+    s.add_argument("--iteration", "-t", type=int, default=0)
+    s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
+    s.add_argument("--print-result", action="store_true")
+    s.set_defaults(fn=cmd_stage)
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level.upper())
+
+    from hacrl.config import ConfigError
+    from hacrl.data import DataError
+    from hacrl.errors import NonFiniteLossError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"hacrl: error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"hacrl: error: {e}; no checkpoint was written", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Typed configuration: Hydra composes ``conf/``; these dataclasses validate it.
+
+One source of truth: ``conf/`` is composed (with any Hydra overrides) into ``params.yaml``
+by ``hacrl config``; DVC stages read ``params.yaml``; ``tests/test_config.py`` checks that the
+committed ``params.yaml`` equals the composition of the defaults. Every field documents what
+it does; invalid values fail at start-up with one line naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+KNOWN_ARCHS = ("gpt2", "llama", "qwen2")
+KNOWN_TOKENIZERS = ("bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram")
+KNOWN_LEVELS = ("add", "sub", "add3", "mul", "frac")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line naming key and value."""
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "embedded-arith"
+    seed: int = 0
+    """Master seed: task data, warm-up, prompt choice per iteration and sampling derive from it."""
+    iterations: int = 8
+    """Number of RL iterations; each one is the six stages. Raising it runs only new ones."""
+    threads: int = 2
+    """torch intra-op threads per stage process (never run two 2-thread torch jobs at once)."""
+    runs_dir: str = "runs"
+    reports_dir: str = "reports"
+
+
+@dataclass
+class DataConfig:
+    source: str = "procedural"
+    """``procedural`` (built-in arithmetic task) or ``files`` (local JSONL/Parquet)."""
+    levels: dict[str, float] = field(default_factory=lambda: {"add": 0.4, "sub": 0.4, "add3": 0.2})
+    """Difficulty levels and their sampling weights (add, sub, add3, mul, frac)."""
+    max_operand: int = 99
+    train_size: int = 40000
+    heldout_size: int = 1200
+    dev_size: int = 300
+    heldout_fraction: float = 0.2
+    """Fraction of the problem space reserved (by hash) for held-out and dev problems."""
+    train_path: str | None = None
+    heldout_path: str | None = None
+    on_bad_row: str = "error"
+    """``error``: a malformed row fails with file and line; ``skip``: skipped and counted."""
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "bytelevel_bpe"
+    vocab_size: int = 300
+    path: str | None = None
+    """For a real model: a local tokenizer directory (defaults to the model path)."""
+
+
+@dataclass
+class WarmupConfig:
+    target_accuracy: float = 0.3
+    """Stop the supervised warm-up once dev accuracy reaches this (weak/mid/strong pool)."""
+    max_steps: int = 2000
+    min_steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 128
+    eval_every: int = 100
+
+
+@dataclass
+class AgentConfig:
+    name: str = ""
+    arch: str = "gpt2"
+    """transformers architecture for an embedded model (gpt2, llama, qwen2)."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the transformers config class (hidden size, layers, ...)."""
+    path: str | None = None
+    """A Hugging Face model directory: when set the agent is a real model and is not built."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    template: str = "Q: {problem}\nA:"
+    """The agent's own prompt template; ``{problem}`` is replaced by the problem text."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """Registered algorithm: grpo, gspo (issues 4-5 add hacpo, gspo_x2, naive_share, ...)."""
+    advantage: str = "grpo"
+    """Registered advantage estimator."""
+    loss: str = "grpo"
+    """Registered policy loss."""
+    clip_low: float = 0.2
+    """eps_l of the ratio clip (GRPO 0.2; GSPO 3e-4)."""
+    clip_high: float = 0.28
+    """eps_h of the ratio clip (GRPO 0.28 as in DAPO; GSPO 4e-4)."""
+    adv_eps: float = 1e-6
+    kl_coef: float = 0.0
+    """beta of the low-variance KL (k3) to the initial model; 0 disables it."""
+    sample_multiplier: int = 1
+    """Samples per prompt = rollout.group_size * this (gspo_x2 uses 2)."""
+    capability_window: int = 5
+    """K of the windowed capability P_hat (HACPO §1.1), current step included."""
+    omega_min: float = 0.1
+    omega_max: float = 10.0
+    """Clamp of the capability ratio omega (HACPO §1.1)."""
+    omega_warmup_steps: int = 0
+    """Steps during which omega is fixed to 1 (reference code option)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Rollout engine: ``hf`` (transformers generate, CPU/embedded); vLLM arrives in a later issue."""
+    group_size: int = 8
+    prompts_per_iteration: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    batch_size: int = 512
+    """Sequences per generate call."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "deepspeed"
+    zero_stage: int = 0
+    lr: float = 1e-3
+    lr_warmup_updates: int = 10
+    """Linear ramp of the RL learning rate over the first updates (fresh optimizers collapse)."""
+    mini_batch_prompts: int = 64
+    epochs: int = 1
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    dtype: str = "fp32"
+    recompute_old_logprobs: bool = True
+    """pi_old from the trainer's own forward before the step's first update (as verl does);
+    False uses the generation log-probs recorded with the rollouts."""
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = 5.0
+    """Per-answer limit; a hung check is killed, its record gets verdict ``timeout``."""
+    workers: int = 2
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 600
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Config:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    agents: list[AgentConfig] = field(default_factory=list)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def agent(self, name: str) -> AgentConfig:
+        for a in self.agents:
+            if a.name == name:
+                return a
+        raise ConfigError(f"agents: no agent named {name!r}")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.rollout.group_size * self.algorithm.sample_multiplier
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys with their full name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k.startswith("_"):
+            continue
+        if k not in fields:
+            raise ConfigError(f"{key}.{k}: unknown key (value {v!r})")
+        ftype = fields[k].type
+        sub = f"{key}.{k}" if key else k
+        if isinstance(ftype, str) and ftype.endswith("Config") and ftype in globals():
+            kwargs[k] = _build(globals()[ftype], v, sub)
+        elif ftype == "list[AgentConfig]":
+            if not isinstance(v, list):
+                raise ConfigError(f"{sub}: expected a list of agents, got {v!r}")
+            kwargs[k] = [_build(AgentConfig, a, f"{sub}[{i}]") for i, a in enumerate(v)]
+        else:
+            kwargs[k] = v
+    return cls(**kwargs)
+
+
+def _check(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: invalid value {value!r} ({why})")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value a stage relies on; raise ConfigError naming the first bad key."""
+    from hacrl import algorithms  # registry lives there
+
+    a = cfg.algorithm
+    _check(a.name in algorithms.ALGORITHMS, "algorithm.name", a.name,
+           f"unknown algorithm; choose from {', '.join(sorted(algorithms.ALGORITHMS))}")
+    _check(a.advantage in algorithms.ADVANTAGES, "algorithm.advantage", a.advantage,
+           f"unknown advantage; choose from {', '.join(sorted(algorithms.ADVANTAGES))}")
+    _check(a.loss in algorithms.POLICY_LOSSES, "algorithm.loss", a.loss,
+           f"unknown loss; choose from {', '.join(sorted(algorithms.POLICY_LOSSES))}")
+    _check(a.clip_low >= 0 and a.clip_high >= 0, "algorithm.clip_low", a.clip_low, "must be >= 0")
+    _check(a.capability_window >= 1, "algorithm.capability_window", a.capability_window, "must be >= 1")
+    _check(0 < a.omega_min <= 1 <= a.omega_max, "algorithm.omega_min", a.omega_min,
+           "need 0 < omega_min <= 1 <= omega_max")
+    _check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    _check(isinstance(a.sample_multiplier, int) and a.sample_multiplier >= 1,
+           "algorithm.sample_multiplier", a.sample_multiplier, "must be an integer >= 1")
+    r = cfg.rollout
+    _check(r.engine in ("hf",), "rollout.engine", r.engine, "known engines: hf")
+    _check(isinstance(r.group_size, int) and r.group_size >= 2, "rollout.group_size",
+           r.group_size, "group-relative advantages need at least 2 samples per prompt")
+    _check(r.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", r.prompts_per_iteration, "must be >= 1")
+    _check(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
+    _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "must be >= 1")
+    t = cfg.trainer
+    _check(t.backend in ("deepspeed", "torch"), "trainer.backend", t.backend, "deepspeed or torch")
+    _check(t.zero_stage in (0, 1, 2, 3), "trainer.zero_stage", t.zero_stage, "ZeRO stages are 0-3")
+    _check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    _check(t.mini_batch_prompts >= 1, "trainer.mini_batch_prompts", t.mini_batch_prompts, "must be >= 1")
+    _check(t.dtype in ("fp32", "bf16"), "trainer.dtype", t.dtype, "fp32 or bf16")
+    d = cfg.data
+    _check(d.source in ("procedural", "files"), "data.source", d.source, "procedural or files")
+    _check(d.on_bad_row in ("error", "skip"), "data.on_bad_row", d.on_bad_row, "error or skip")
+    if d.source == "procedural":
+        for lvl, w in d.levels.items():
+            _check(lvl in KNOWN_LEVELS, f"data.levels.{lvl}", w, f"unknown level; choose from {', '.join(KNOWN_LEVELS)}")
+            _check(float(w) >= 0, f"data.levels.{lvl}", w, "weight must be >= 0")
+        _check(sum(float(w) for w in d.levels.values()) > 0, "data.levels", d.levels, "no level has weight")
+    else:
+        for k in ("train_path", "heldout_path"):
+            p = getattr(d, k)
+            _check(bool(p) and Path(p).exists(), f"data.{k}", p, "file does not exist")
+    _check(len(cfg.agents) >= 1, "agents", cfg.agents, "the pool needs at least one agent")
+    names = set()
+    for i, ag in enumerate(cfg.agents):
+        key = f"agents[{i}]"
+        _check(bool(ag.name) and ag.name.replace("-", "").replace("_", "").isalnum(), f"{key}.name",
+               ag.name, "letters, digits, - and _ only")
+        _check(ag.name not in names, f"{key}.name", ag.name, "duplicate agent name")
+        names.add(ag.name)
+        if ag.path is not None:
+            _check(Path(ag.path).is_dir(), f"{key}.path", ag.path, "model path does not exist")
+        else:
+            _check(ag.arch in KNOWN_ARCHS, f"{key}.arch", ag.arch, f"choose from {', '.join(KNOWN_ARCHS)}")
+            _check(ag.tokenizer.kind in KNOWN_TOKENIZERS, f"{key}.tokenizer.kind", ag.tokenizer.kind,
+                   f"unknown tokenizer kind; choose from {', '.join(KNOWN_TOKENIZERS)}")
+        _check("{problem}" in ag.template, f"{key}.template", ag.template, "must contain {problem}")
+        _check(0 <= ag.warmup.target_accuracy <= 1, f"{key}.warmup.target_accuracy",
+               ag.warmup.target_accuracy, "must be in [0, 1]")
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    """Build and validate a Config from a plain mapping (e.g. loaded params.yaml)."""
+    data = {k: v for k, v in data.items() if k != "iterations"}
+    return validate(_build(Config, data, ""))
+
+
+def iteration_table(n: int) -> dict[str, dict[str, int]]:
+    """The dict DVC's ``foreach`` walks: stable names with an explicit previous iteration."""
+    return {f"it{t}": {"it": t, "prev": t - 1} for t in range(1, n + 1)}
+
+
+def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> dict:
+    """Compose ``conf/`` with Hydra overrides into the plain dict written to params.yaml."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    for ov in overrides or []:
+        key, _, value = ov.lstrip("+~").partition("=")
+        group_dir = conf_dir / key
+        if "." not in key and group_dir.is_dir() and value and not (group_dir / f"{value}.yaml").exists():
+            options = sorted(p.stem for p in group_dir.glob("*.yaml"))
+            raise ConfigError(f"{key}: invalid value {value!r} (unknown {key}; choose from {', '.join(options)})")
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+    except HydraException as e:
+        raise ConfigError(f"hydra: {str(e).splitlines()[0]}") from None
+    data = OmegaConf.to_container(cfg, resolve=True)
+    agents = data.get("agents")
+    if isinstance(agents, dict):  # the group holds {pool: [...]} so that it can be swapped whole
+        data["agents"] = agents.get("pool", [])
+    from_dict(data)  # validate before anything is written
+    data["iterations"] = iteration_table(int(data["experiment"]["iterations"]))
+    return data
+
+
+def write_params(data: dict, path: Path) -> None:
+    """Write params.yaml atomically."""
+    from hacrl.storage import atomic_write_text
+
+    header = "# Generated by `hacrl config` from conf/ -- edit conf/ (or pass overrides), not this file.\n"
+    atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False))
+
+
+def load(path: str | os.PathLike | None = None) -> Config:
+    """Load and validate params.yaml (``HACRL_PARAMS`` or ./params.yaml by default)."""
+    p = Path(path or os.environ.get("HACRL_PARAMS", "params.yaml"))
+    if not p.exists():
+        raise ConfigError(f"params: file {str(p)!r} does not exist (run `hacrl config` first)")
+    with open(p) as f:
+        data = yaml.safe_load(f)
+    return from_dict(data or {})

@@ -1,0 +1,196 @@
+"""Task data: the built-in procedural arithmetic task and a loader for local problem files.
+
+A problem is a dict ``{"id", "problem", "answer", "level"}``; the answer is the text a model
+writes inside ``\\boxed{...}``. The procedural task is deterministic from the seed, and its
+train / dev / held-out problems are disjoint by construction: each problem's split is fixed by
+a hash of its text, so no seed or size change can leak a held-out problem into training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A malformed dataset row; the message names the file and line."""
+
+
+Problem = dict
+
+
+def _add(r: random.Random, m: int) -> tuple[str, str]:
+    a, b = r.randint(0, m), r.randint(0, m)
+    return f"{a}+{b}", str(a + b)
+
+
+def _sub(r: random.Random, m: int) -> tuple[str, str]:
+    a, b = r.randint(0, m), r.randint(0, m)
+    a, b = max(a, b), min(a, b)
+    return f"{a}-{b}", str(a - b)
+
+
+def _add3(r: random.Random, m: int) -> tuple[str, str]:
+    # two steps: a + b - c, kept non-negative
+    a, b, c = r.randint(0, m), r.randint(0, 9), r.randint(0, 9)
+    if a + b < c:
+        a, c = c, a
+        if a + b < c:
+            c = 0
+    return f"{a}+{b}-{c}", str(a + b - c)
+
+
+def _mul(r: random.Random, m: int) -> tuple[str, str]:
+    a, b = r.randint(0, m), r.randint(0, 9)
+    return f"{a}*{b}", str(a * b)
+
+
+def _frac(r: random.Random, m: int) -> tuple[str, str]:
+    d = r.randint(2, 9)
+    a, b = r.randint(1, d - 1), r.randint(1, d - 1)
+    s = Fraction(a, d) + Fraction(b, d)
+    ans = str(s.numerator) if s.denominator == 1 else f"\\frac{{{s.numerator}}}{{{s.denominator}}}"
+    return f"{a}/{d}+{b}/{d}", ans
+
+
+GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
+    "add": _add, "sub": _sub, "add3": _add3, "mul": _mul, "frac": _frac,
+}
+
+
+def problem_text(expr: str) -> str:
+    return f"Compute {expr}."
+
+
+def split_bucket(text: str) -> float:
+    """A stable number in [0, 1) from the problem text: decides the problem's split."""
+    h = hashlib.sha1(text.encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def split_of(text: str, heldout_fraction: float) -> str:
+    b = split_bucket(text)
+    if b < heldout_fraction / 4:
+        return "dev"
+    if b < heldout_fraction:
+        return "heldout"
+    return "train"
+
+
+def generate_split(split: str, size: int, levels: dict[str, float], max_operand: int,
+                   heldout_fraction: float, seed: int, unique: bool = True) -> list[Problem]:
+    """Draw ``size`` problems of one split, levels mixed by weight, deterministic from seed."""
+    r = random.Random(f"{seed}/{split}")
+    names = [k for k, w in levels.items() if float(w) > 0]
+    weights = [float(levels[k]) for k in names]
+    out: list[Problem] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(out) < size:
+        tries += 1
+        if tries > 200 * size + 10000:
+            raise DataError(f"procedural: the {split} split of levels {names} has fewer than "
+                            f"{size} distinct problems (got {len(out)}); lower its size")
+        lvl = r.choices(names, weights)[0]
+        expr, ans = GENERATORS[lvl](r, max_operand)
+        text = problem_text(expr)
+        if split_of(text, heldout_fraction) != split or (unique and text in seen):
+            continue
+        seen.add(text)
+        out.append({"id": f"{split}-{len(out):06d}", "problem": text, "answer": ans, "level": lvl})
+    return out
+
+
+def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Problem], int]:
+    """Load a JSONL or Parquet file with ``problem`` and ``answer`` fields.
+
+    Returns (problems, skipped). A malformed row raises ``DataError("file:line: why")``, or is
+    skipped and counted when ``on_bad_row == "skip"``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file does not exist")
+    rows: list[tuple[int, object]] = []
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        try:
+            df = pd.read_parquet(path)
+        except Exception as e:  # noqa: BLE001 - any reader failure is a malformed file
+            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+        rows = [(i + 1, rec) for i, rec in enumerate(df.to_dict(orient="records"))]
+    else:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((i, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    rows.append((i, DataError(f"{path}:{i}: invalid JSON ({e.msg})")))
+    out: list[Problem] = []
+    skipped = 0
+    for line, rec in rows:
+        err = _row_error(rec)
+        if err:
+            if on_bad_row == "skip":
+                skipped += 1
+                continue
+            raise rec if isinstance(rec, DataError) else DataError(f"{path}:{line}: {err}")
+        answer = rec["answer"]
+        out.append({
+            "id": str(rec.get("id", f"{path.stem}-{line:06d}")),
+            "problem": rec["problem"].strip(),
+            "answer": str(answer).strip(),
+            "level": str(rec.get("level", "all")),
+        })
+    if skipped:
+        log.warning("%s: skipped %d malformed rows", path, skipped)
+    if not out:
+        raise DataError(f"{path}: no valid rows")
+    return out, skipped
+
+
+def _row_error(rec: object) -> str | None:
+    if isinstance(rec, DataError):
+        return str(rec)
+    if not isinstance(rec, dict):
+        return f"row is not an object ({type(rec).__name__})"
+    for k in ("problem", "answer"):
+        if k not in rec or rec[k] is None:
+            return f"missing field {k!r}"
+    if not isinstance(rec["problem"], str) or not rec["problem"].strip():
+        return "field 'problem' must be a non-empty string"
+    if not isinstance(rec["answer"], (str, int, float)) or not str(rec["answer"]).strip():
+        return "field 'answer' must be a non-empty string or number"
+    return None
+
+
+def write_jsonl(path: str | Path, problems: list[Problem]) -> None:
+    from hacrl.storage import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(p) + "\n" for p in problems))
+
+
+def read_jsonl(path: str | Path) -> list[Problem]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def completion_text(answer: str) -> str:
+    """The supervised target after the prompt (the RL reward checks only the boxed answer)."""
+    return f" \\boxed{{{answer}}}"
+
+
+def prompts_for_iteration(train: list[Problem], n: int, seed: int, iteration: int) -> list[Problem]:
+    """The step's prompts: the same for every agent, chosen from seed and iteration."""
+    r = random.Random(f"{seed}/prompts/{iteration}")
+    idx = r.sample(range(len(train)), k=min(n, len(train)))
+    return [train[i] for i in idx]

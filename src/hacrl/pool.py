@@ -1,0 +1,125 @@
+"""The agent pool: tokenizers, models, prompt templates, loading.
+
+An embedded agent is built from a transformers config and a tokenizer trained here with the
+``tokenizers`` library, then saved as a Hugging Face directory. From then on every stage loads
+it through ``AutoTokenizer`` / ``AutoModelForCausalLM`` exactly as it would load a real model
+given by path: there is no code path that only the embedded pool takes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hacrl.config import AgentConfig, ConfigError, TokenizerConfig
+
+log = logging.getLogger(__name__)
+
+SPECIALS = {
+    "bytelevel_bpe": {"eos": "<|endoftext|>", "pad": "<|pad|>", "unk": None},
+    "metaspace_bpe": {"eos": "</s>", "pad": "<pad>", "unk": "<unk>"},
+    "bytelevel_unigram": {"eos": "[EOS]", "pad": "[PAD]", "unk": "[UNK]"},
+}
+
+
+def train_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str]):
+    """Train a fast tokenizer of the configured kind; digits are always single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sp = SPECIALS.get(cfg.kind)
+    if sp is None:
+        raise ConfigError(f"tokenizer.kind: invalid value {cfg.kind!r} (choose from {', '.join(SPECIALS)})")
+    specials = [s for s in (sp["unk"], sp["eos"], sp["pad"]) if s]
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    if cfg.kind == "bytelevel_bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif cfg.kind == "metaspace_bpe":
+        tok = Tokenizer(models.BPE(unk_token=sp["unk"]))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, pre_tokenizers.Metaspace(prepend_scheme="never")])
+        tok.decoder = decoders.Metaspace(prepend_scheme="never")
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=specials)
+    else:  # bytelevel_unigram: almost character level, a very different segmentation
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.UnigramTrainer(vocab_size=max(cfg.vocab_size, 300), special_tokens=specials,
+                                          unk_token=sp["unk"],
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus), trainer)
+    kwargs = {"eos_token": sp["eos"], "pad_token": sp["pad"]}
+    if sp["unk"]:
+        kwargs["unk_token"] = sp["unk"]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left", **kwargs)
+
+
+def build_model(agent: AgentConfig, tokenizer):
+    """A freshly initialised causal LM from the agent's transformers config."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+                  # untied: vLLM's in-place weight reload is only exact without tied embeddings
+                  tie_word_embeddings=False)
+    mc = dict(agent.model_config)
+    if agent.arch == "gpt2":
+        cfg = GPT2Config(**common, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **mc)
+        return GPT2LMHeadModel(cfg)
+    if agent.arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, **mc))
+    if agent.arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, **mc))
+    raise ConfigError(f"agents.{agent.name}.arch: invalid value {agent.arch!r} (choose from gpt2, llama, qwen2)")
+
+
+@dataclass
+class Agent:
+    """A loaded agent: its name, tokenizer, model and prompt template."""
+
+    name: str
+    tokenizer: object
+    model: object
+    template: str
+
+    def render(self, problem: str) -> str:
+        return self.template.replace("{problem}", problem)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def load_agent(agent: AgentConfig, model_dir: str | Path, dtype: str = "fp32") -> Agent:
+    """Load an agent from a Hugging Face directory (embedded or real, the same way)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"agent {agent.name}: model directory {model_dir} does not exist")
+    tok_dir = agent.tokenizer.path or model_dir
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    model.eval()
+    return Agent(agent.name, tok, model, agent.template)
+
+
+def save_agent(agent: Agent, out_dir: str | Path) -> None:
+    """Save model and tokenizer as one HF directory, atomically."""
+    from hacrl.storage import atomic_path
+
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        agent.model.save_pretrained(tmp)
+        agent.tokenizer.save_pretrained(tmp)

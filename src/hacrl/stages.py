@@ -1,0 +1,334 @@
+"""The stages: each a function from versioned inputs to versioned outputs (see dvc.yaml).
+
+Preparation: ``prepare_data``, ``prepare_pool``. One RL iteration t, reading iteration t-1's
+checkpoints: ``generate_rollouts -> verify_rewards -> exchange_and_align ->
+compute_capability_stats -> update_policies -> evaluate``. Finally ``report``.
+Every output is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+from hacrl import data as task_data
+from hacrl.config import Config
+from hacrl.storage import RunLayout, atomic_path, read_json, read_parquet, write_json, write_parquet
+
+log = logging.getLogger(__name__)
+
+
+def _layout(cfg: Config) -> RunLayout:
+    return RunLayout(cfg.experiment.runs_dir)
+
+
+def _set_threads(cfg: Config) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, cfg.experiment.threads))
+
+
+def _splits(cfg: Config) -> dict[str, list[dict]]:
+    tasks = _layout(cfg).tasks
+    return {s: task_data.read_jsonl(tasks / f"{s}.jsonl") for s in ("train", "dev", "heldout")}
+
+
+# ----------------------------------------------------------------------------- preparation
+
+def prepare_data(cfg: Config) -> dict:
+    """Write the train / dev / held-out problem files (procedural or from local files)."""
+    d = cfg.data
+    seed = cfg.experiment.seed
+    if d.source == "procedural":
+        splits = {
+            "train": task_data.generate_split("train", d.train_size, d.levels, d.max_operand,
+                                              d.heldout_fraction, seed),
+            "dev": task_data.generate_split("dev", d.dev_size, d.levels, d.max_operand,
+                                            d.heldout_fraction, seed),
+            "heldout": task_data.generate_split("heldout", d.heldout_size, d.levels, d.max_operand,
+                                                d.heldout_fraction, seed),
+        }
+        skipped = {}
+    else:
+        train, s1 = task_data.load_problems(d.train_path, d.on_bad_row)
+        held, s2 = task_data.load_problems(d.heldout_path, d.on_bad_row)
+        r = random.Random(f"{seed}/dev")
+        r.shuffle(train)
+        n_dev = min(d.dev_size, len(train) // 5)
+        splits = {"train": train[n_dev:], "dev": train[:n_dev], "heldout": held}
+        skipped = {"train": s1, "heldout": s2}
+    out = _layout(cfg).tasks
+    with atomic_path(out, is_dir=True) as tmp:
+        for name, probs in splits.items():
+            task_data.write_jsonl(tmp / f"{name}.jsonl", probs)
+        manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,
+                    "levels": {k: sorted({p["level"] for p in v}) for k, v in splits.items()}}
+        write_json(tmp / "manifest.json", manifest)
+    log.info("task data: %s", manifest["sizes"])
+    return manifest
+
+
+def prepare_pool(cfg: Config) -> dict:
+    """Iteration 0: tokenizers, models and warm-up of every agent, as HF directories.
+
+    An agent with ``path`` is a real model: its directory is copied as iteration 0's
+    checkpoint (and warmed up only if its warm-up budget is positive).
+    """
+    import torch
+
+    from hacrl.pool import Agent, build_model, load_agent, save_agent, train_tokenizer
+    from hacrl.rewards import VerifierPool
+    from hacrl.warmup import warm_up
+
+    _set_threads(cfg)
+    lay = _layout(cfg)
+    splits = _splits(cfg)
+    records = {}
+    ckpts = lay.checkpoints(0)
+    with atomic_path(ckpts, is_dir=True) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
+        for ac in cfg.agents:
+            t0 = time.time()
+            if ac.path is not None:
+                shutil.copytree(ac.path, tmp_ckpts / ac.name)
+                agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
+            else:
+                corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.completion_text(p["answer"])
+                          for p in splits["train"]]
+                tok = train_tokenizer(ac.tokenizer, corpus)
+                _check_round_trip(ac.name, tok, corpus[:200])
+                agent = Agent(ac.name, tok, build_model(ac, tok), ac.template)
+            rec = {"params": agent.num_params, "vocab": len(agent.tokenizer), "arch": ac.arch,
+                   "tokenizer": ac.tokenizer.kind}
+            if ac.warmup.max_steps > 0:
+                rec["warmup"] = warm_up(agent, ac.warmup, splits["train"], splits["dev"], ver,
+                                        cfg.experiment.seed, cfg.eval.max_new_tokens)
+            save_agent(agent, tmp_ckpts / ac.name)
+            rec["seconds"] = round(time.time() - t0, 1)
+            records[ac.name] = rec
+            log.info("agent %s: %s", ac.name, rec)
+            del agent
+            torch.manual_seed(0)
+    with atomic_path(lay.train_state(0), is_dir=True) as tmp:
+        for ac in cfg.agents:
+            (tmp / ac.name).mkdir()
+            write_json(tmp / ac.name / "meta.json", {"updates": 0})
+    write_json(lay.capability(0), {"iteration": 0, "steps": []})
+    write_json(lay.it(0) / "pool.json", records)
+    return records
+
+
+def _check_round_trip(name: str, tok, texts: list[str]) -> None:
+    for t in texts:
+        back = tok.decode(tok(t, add_special_tokens=False)["input_ids"])
+        if back != t:
+            raise ValueError(f"agent {name}: tokenizer does not round-trip {t!r} (got {back!r})")
+
+
+# ----------------------------------------------------------------------------- one iteration
+
+def generate_rollouts(cfg: Config, t: int) -> dict:
+    """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards."""
+    import pandas as pd
+
+    from hacrl.engines import HFEngine, SamplingParams
+    from hacrl.pool import load_agent
+
+    _set_threads(cfg)
+    lay = _layout(cfg)
+    prompts = task_data.prompts_for_iteration(_splits(cfg)["train"], cfg.rollout.prompts_per_iteration,
+                                              cfg.experiment.seed, t)
+    r = cfg.rollout
+    stats = {}
+    with atomic_path(lay.rollouts(t), is_dir=True) as tmp:
+        for k, ac in enumerate(cfg.agents):
+            t0 = time.time()
+            agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
+            engine = HFEngine(agent.model, agent.tokenizer, r.batch_size, desc=f"rollouts {ac.name}")
+            rendered = [agent.render(p["problem"]) for p in prompts]
+            params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                    max_new_tokens=r.max_new_tokens,
+                                    seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
+            comps = engine.generate(rendered, params)
+            rows = []
+            for c in comps:
+                p = prompts[c.prompt_index]
+                rows.append({
+                    "record_id": f"it{t}/{ac.name}/{p['id']}/{c.sample_index}",
+                    "step": t, "producer": ac.name, "producer_tokenizer": ac.tokenizer.kind,
+                    "prompt_id": p["id"], "problem": p["problem"], "gold": p["answer"],
+                    "level": p["level"], "rendered_prompt": rendered[c.prompt_index],
+                    "prompt_token_ids": c.prompt_token_ids, "response_text": c.text,
+                    "response_token_ids": c.token_ids, "response_logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason, "sample_index": c.sample_index,
+                })
+            write_parquet(tmp / f"{ac.name}.parquet", pd.DataFrame(rows))
+            secs = time.time() - t0
+            ntok = sum(len(c.token_ids) for c in comps)
+            stats[ac.name] = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
+                              "tokens_per_s": round(ntok / max(secs, 1e-9), 1)}
+            log.info("rollouts %s: %s", ac.name, stats[ac.name])
+    return stats
+
+
+def hash_seed(*parts) -> int:
+    return random.Random("/".join(map(str, parts))).randrange(2**31 - 1)
+
+
+def verify_rewards(cfg: Config, t: int) -> dict:
+    """math-verify every rollout against its gold answer in killable worker processes."""
+    import pandas as pd
+
+    from hacrl.rewards import VerifierPool, reward_of
+
+    lay = _layout(cfg)
+    stats = {}
+    with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
+            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        for ac in cfg.agents:
+            ro = read_parquet(lay.rollouts(t) / f"{ac.name}.parquet")
+            verdicts = pool.verify(list(zip(ro["gold"], ro["response_text"])), desc=f"verify {ac.name}")
+            df = pd.DataFrame({"record_id": ro["record_id"], "producer": ac.name,
+                               "prompt_id": ro["prompt_id"], "verdict": verdicts,
+                               "reward": [reward_of(v) for v in verdicts]})
+            write_parquet(tmp / f"{ac.name}.parquet", df)
+            counts = df["verdict"].value_counts().to_dict()
+            stats[ac.name] = {"reward_mean": float(df["reward"].mean()), "verdicts": counts}
+            log.info("rewards %s: %s", ac.name, stats[ac.name])
+        stats["_killed_workers"] = pool.killed
+    return stats
+
+
+def exchange_and_align(cfg: Config, t: int) -> dict:
+    """Publish every agent's experience records; build each learner's training input."""
+    import pandas as pd
+
+    from hacrl.algorithms import ADVANTAGES, ALGORITHMS
+    from hacrl.experience import publish, subscribe
+
+    lay = _layout(cfg)
+    adv_fn = ADVANTAGES["grpo"]  # the producer's own group advantage, published with the record
+    stream = pd.concat([publish(read_parquet(lay.rollouts(t) / f"{a.name}.parquet"),
+                                read_parquet(lay.rewards(t) / f"{a.name}.parquet"), adv_fn,
+                                cfg.algorithm.adv_eps) for a in cfg.agents], ignore_index=True)
+    mode = ALGORITHMS[cfg.algorithm.name].subscribe
+    stats = {"records": len(stream), "subscription": mode}
+    with atomic_path(lay.exchange(t), is_dir=True) as tmp:
+        write_parquet(tmp / "experience.parquet", stream)
+        for a in cfg.agents:
+            inp = subscribe(stream, a.name, mode)
+            write_parquet(tmp / f"learner-{a.name}.parquet", inp)
+            stats[a.name] = {"samples": len(inp), "cross": int((~inp["is_self"]).sum())}
+    return stats
+
+
+def compute_capability_stats(cfg: Config, t: int) -> dict:
+    """Extend the capability history with step t: accuracy, windowed P_hat, omega, pooled stats."""
+    from hacrl.capability import update_history
+
+    lay = _layout(cfg)
+    prev = read_json(lay.capability(t - 1))
+    per_agent = {a.name: read_parquet(lay.rewards(t) / f"{a.name}.parquet") for a in cfg.agents}
+    a = cfg.algorithm
+    doc = update_history(prev, t, per_agent, a.capability_window, a.omega_min, a.omega_max,
+                         a.omega_warmup_steps)
+    write_json(lay.capability(t), doc)
+    return doc
+
+
+def update_policies(cfg: Config, t: int) -> dict:
+    """One policy update per learner on its training input; new HF checkpoint + recovery state."""
+    import torch
+
+    from hacrl.pool import load_agent
+    from hacrl.update import train_learner
+
+    _set_threads(cfg)
+    lay = _layout(cfg)
+    capability = read_json(lay.capability(t))
+    stats = {}
+    with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
+            atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
+        for ac in cfg.agents:
+            agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
+            ref = None
+            if cfg.algorithm.kl_coef > 0:
+                ref = load_agent(ac, lay.checkpoint(0, ac.name), cfg.trainer.dtype).model
+            batch = read_parquet(lay.exchange(t) / f"learner-{ac.name}.parquet")
+            stats[ac.name] = train_learner(
+                agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, ac.name),
+                prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
+                ref_model=ref, capability=capability)
+            agent.model.save_pretrained(tmp_ck / ac.name)
+            agent.tokenizer.save_pretrained(tmp_ck / ac.name)
+            log.info("update %s: %s", ac.name, {k: v for k, v in stats[ac.name].items() if k != "updates_log"})
+            del agent, ref
+            torch.manual_seed(0)
+    write_json(lay.update_stats(t), stats)
+    return stats
+
+
+def standard_error(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def evaluate(cfg: Config, t: int) -> dict:
+    """Greedy pass@1 on the held-out split per agent and level; extends the run history."""
+    import pandas as pd
+
+    from hacrl.pool import load_agent
+    from hacrl.rewards import VerifierPool
+    from hacrl.warmup import greedy_accuracy
+
+    _set_threads(cfg)
+    lay = _layout(cfg)
+    held = _splits(cfg)["heldout"]
+    metrics: dict = {"iteration": t, "agents": {}}
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
+        for ac in cfg.agents:
+            agent = load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype)
+            acc, verdicts = greedy_accuracy(agent, held, ver, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            df = pd.DataFrame({"level": [p["level"] for p in held], "ok": [v == "correct" for v in verdicts]})
+            m = {"eval_accuracy": acc, "eval_stderr": standard_error(acc, len(held)), "eval_n": len(held),
+                 "by_level": {lvl: float(g["ok"].mean()) for lvl, g in df.groupby("level")}}
+            if t > 0:
+                rw = read_parquet(lay.rewards(t) / f"{ac.name}.parquet")["reward"].dropna()
+                m["train_reward"] = float(rw.mean())
+                m["train_reward_stderr"] = float(rw.std(ddof=1) / math.sqrt(len(rw))) if len(rw) > 1 else 0.0
+                us = read_json(lay.update_stats(t))[ac.name]
+                m["entropy"] = us["entropy"]
+                m["grad_norm"] = us["grad_norm"]
+            metrics["agents"][ac.name] = m
+            log.info("eval it%d %s: acc %.3f +- %.3f", t, ac.name, acc, m["eval_stderr"])
+    prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}
+    history = {"algorithm": cfg.algorithm.name,
+               "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
+    write_json(lay.eval_metrics(t), metrics)
+    write_json(lay.history(t), history)
+    return metrics
+
+
+def report(cfg: Config) -> Path:
+    """``reports/summary.json``, per-iteration curves (CSV, for ``dvc plots``) and PNG plots."""
+    from hacrl.report import write_report
+
+    lay = _layout(cfg)
+    history = read_json(lay.history(cfg.experiment.iterations))
+    pool = read_json(lay.it(0) / "pool.json")
+    return write_report(history, pool, Path(cfg.experiment.reports_dir))
+
+
+STAGES = {
+    "prepare-data": lambda cfg, t: prepare_data(cfg),
+    "prepare-pool": lambda cfg, t: prepare_pool(cfg),
+    "generate-rollouts": generate_rollouts,
+    "verify-rewards": verify_rewards,
+    "exchange-and-align": exchange_and_align,
+    "compute-capability-stats": compute_capability_stats,
+    "update-policies": update_policies,
+    "evaluate": evaluate,
+    "report": lambda cfg, t: report(cfg),
+}

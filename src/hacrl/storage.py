@@ -1,0 +1,144 @@
+"""Atomic artifact writes and the run-directory layout.
+
+Nothing a stage writes is ever visible under its final name until it is complete: files are
+written to a temporary sibling and renamed, directories are built under a temporary name and
+renamed. A killed stage therefore leaves only ``.tmp-*`` debris, which the next run removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TMP_PREFIX = ".tmp-"
+
+
+def _tmp_sibling(path: Path, is_dir: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if is_dir:
+        return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent))
+    fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    if final.is_dir() and not final.is_symlink():
+        shutil.rmtree(final)
+    elif final.exists() or final.is_symlink():
+        final.unlink()
+    os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
+    """Yield a temporary path; on success it replaces ``path``, on error it is removed."""
+    final = Path(path)
+    tmp = _tmp_sibling(final, is_dir)
+    try:
+        yield tmp
+        if is_dir:
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
+        else:
+            os.chmod(tmp, 0o644)
+        _replace(tmp, final)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_parquet(path: str | os.PathLike, df: "Any") -> None:
+    """Write a pandas DataFrame as Parquet, atomically."""
+    with atomic_path(path) as tmp:
+        df.to_parquet(tmp, index=False)
+
+
+def read_parquet(path: str | os.PathLike) -> "Any":
+    import pandas as pd
+
+    return pd.read_parquet(path)
+
+
+def clean_tmp(root: str | os.PathLike) -> int:
+    """Remove debris that a killed stage left under ``root``; return how many were removed."""
+    n = 0
+    root = Path(root)
+    if not root.exists():
+        return 0
+    for p in list(root.rglob(f"{TMP_PREFIX}*")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+class RunLayout:
+    """Where every versioned artifact of an experiment lives (what dvc.yaml declares)."""
+
+    def __init__(self, runs_dir: str | os.PathLike = "runs", data_dir: str | os.PathLike = "data"):
+        self.runs = Path(runs_dir)
+        self.data = Path(data_dir)
+
+    # preparation
+    @property
+    def tasks(self) -> Path:
+        return self.data / "tasks"
+
+    def it(self, t: int) -> Path:
+        return self.runs / f"it{t}"
+
+    # per iteration
+    def checkpoints(self, t: int) -> Path:
+        return self.it(t) / "checkpoints"
+
+    def checkpoint(self, t: int, agent: str) -> Path:
+        return self.checkpoints(t) / agent
+
+    def train_state(self, t: int) -> Path:
+        return self.it(t) / "train_state"
+
+    def capability(self, t: int) -> Path:
+        return self.it(t) / "capability.json"
+
+    def rollouts(self, t: int) -> Path:
+        return self.it(t) / "rollouts"
+
+    def rewards(self, t: int) -> Path:
+        return self.it(t) / "rewards"
+
+    def exchange(self, t: int) -> Path:
+        return self.it(t) / "exchange"
+
+    def update_stats(self, t: int) -> Path:
+        return self.it(t) / "update_stats.json"
+
+    def eval_metrics(self, t: int) -> Path:
+        return self.it(t) / "eval_metrics.json"
+
+    def history(self, t: int) -> Path:
+        return self.it(t) / "history.json"

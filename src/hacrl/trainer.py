@@ -1,0 +1,156 @@
+"""Policy updates: a DeepSpeed engine (CPU accelerator, gloo, world size 1 here; GPUs and more
+ranks through the DeepSpeed launcher elsewhere) around a client ``torch.optim.AdamW``.
+
+The HF checkpoint (weights) and the recovery state (optimizer, RNG, update counter) are kept
+apart, as STACK.md advises: a ZeRO state saved at one world size need not load at another,
+while the HF export always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hacrl.config import TrainerConfig
+from hacrl.errors import NonFiniteLossError
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed for a single local rank (gloo on 127.0.0.1) if needed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               verbose=False)
+
+
+@dataclass
+class TrainState:
+    """The recovery state besides the weights: what a resume restores."""
+
+    updates: int = 0
+    rng: dict = field(default_factory=dict)
+
+
+def capture_rng() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def restore_rng(rng: dict) -> None:
+    if not rng:
+        return
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def _grad_norm(module) -> float:
+    sq = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+class PolicyOptimizer:
+    """One learner's model + optimizer behind DeepSpeed (or plain torch)."""
+
+    def __init__(self, model, cfg: TrainerConfig, samples_per_update: int):
+        self.cfg = cfg
+        self.base_lr = cfg.lr
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                      weight_decay=cfg.weight_decay)
+        if cfg.backend == "deepspeed":
+            import deepspeed
+
+            init_distributed()
+            ds_config = {
+                "train_micro_batch_size_per_gpu": max(1, samples_per_update),
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": cfg.grad_clip,
+                "zero_optimization": {"stage": cfg.zero_stage},
+                "bf16": {"enabled": cfg.dtype == "bf16"},
+                "steps_per_print": 10**9,
+                "wall_clock_breakdown": False,
+            }
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=ds_config)
+            self.module = self.engine.module
+        else:
+            self.engine = None
+            self.optimizer = optimizer
+            self.module = model
+        self.state = TrainState()
+
+    @property
+    def model(self):
+        """The callable used for the forward pass (the engine when there is one)."""
+        return self.engine if self.engine is not None else self.module
+
+    def step(self, loss: torch.Tensor) -> float:
+        """Backward + clipped optimizer step with the ramped learning rate; returns grad norm."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"non-finite loss {loss.item()} at update {self.state.updates}")
+        lr = self.base_lr * min(1.0, (self.state.updates + 1) / max(1, self.cfg.lr_warmup_updates))
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.engine is not None:
+            self.engine.backward(loss)
+            own = _grad_norm(self.module)  # ZeRO-0 keeps no norm of its own; read it before step
+            self.engine.step()
+            gn = self.engine.get_global_grad_norm()
+            gn = float(gn) if gn is not None else own
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+            self.optimizer.step()
+        if not np.isfinite(gn):
+            raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
+        self.state.updates += 1
+        return gn
+
+    def save_state(self, out_dir: Path) -> None:
+        """Recovery state (optimizer + RNG + counter) into ``out_dir`` (a fresh directory)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        client = {"updates": self.state.updates, "rng": capture_rng()}
+        if self.engine is not None:
+            # only optimizer + client state matter; weights travel in the HF checkpoint
+            self.engine.save_checkpoint(str(out_dir), tag="state", client_state=client,
+                                        save_latest=False)
+        else:
+            torch.save({"optimizer": self.optimizer.state_dict(), **client}, out_dir / "state.pt")
+
+    def load_state(self, state_dir: Path) -> None:
+        """Restore the optimizer/RNG state if ``state_dir`` holds one (iteration 0 holds none)."""
+        if (state_dir / "state").is_dir() and self.engine is not None:
+            _, client = self.engine.load_checkpoint(str(state_dir), tag="state",
+                                                    load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        elif (state_dir / "state.pt").exists() and self.engine is None:
+            client = torch.load(state_dir / "state.pt", weights_only=False)
+            self.optimizer.load_state_dict(client["optimizer"])
+        else:
+            return
+        self.state.updates = int(client.get("updates", 0))
+        restore_rng(client.get("rng", {}))
