@@ -70,6 +70,16 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from hacrl import config as config_mod
+    from hacrl.stages import run_in_process
+
+    cfg = config_mod.load(args.params)
+    timings = run_in_process(cfg)
+    print(json.dumps({k: round(v, 1) for k, v in timings.items()}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"))
@@ -85,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")
     s.set_defaults(fn=cmd_stage)
+    r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
+    r.add_argument("--params", default=None)
+    r.set_defaults(fn=cmd_run)
     args = parser.parse_args(argv)
     _setup_logging(args.log_level.upper())
 

@@ -62,13 +62,16 @@ def worker_main() -> None:
         sys.stdout.flush()
 
 
+WORKER_CODE = "from hacrl.rewards import worker_main; worker_main()"
+
+
 class _Worker:
     """One verifier subprocess (independent of the caller's ``__main__``, killable at once)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, code: str = WORKER_CODE):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from hacrl.rewards import worker_main; worker_main()", str(timeout_s)],
+            [sys.executable, "-c", code, str(timeout_s)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
 
     def send(self, key: int, gold: str, response: str) -> None:
@@ -90,7 +93,8 @@ class _Worker:
 class VerifierPool:
     """A pool of verifier processes with a hard per-answer time limit."""
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0):
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, worker_code: str = WORKER_CODE):
+        self.worker_code = worker_code
         self.n = max(1, workers)
         self.timeout_s = timeout_s
         self.hard_limit = timeout_s * 1.5 + 1.0
@@ -98,7 +102,7 @@ class VerifierPool:
         self.killed = 0
 
     def __enter__(self) -> "VerifierPool":
-        self.workers = [_Worker(self.timeout_s) for _ in range(self.n)]
+        self.workers = [_Worker(self.timeout_s, self.worker_code) for _ in range(self.n)]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -150,7 +154,7 @@ class VerifierPool:
     def _replace(self, slot: int) -> None:
         self.workers[slot].kill()
         self.killed += 1
-        self.workers[slot] = _Worker(self.timeout_s)
+        self.workers[slot] = _Worker(self.timeout_s, self.worker_code)
 
 
 def verify_all(pairs: list[tuple[str, str]], workers: int = 2, timeout_s: float = 5.0) -> list[str]:

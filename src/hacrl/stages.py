@@ -332,3 +332,30 @@ STAGES = {
     "evaluate": evaluate,
     "report": lambda cfg, t: report(cfg),
 }
+
+
+def run_in_process(cfg: Config, iterations: int | None = None, prepare: bool = True) -> dict:
+    """Run the whole experiment through the same stage functions in one process.
+
+    The DVC path starts one process per stage; this path shares the imports. It is what a
+    comparison suite uses, and what measures the orchestration overhead. Returns seconds
+    per stage name.
+    """
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn, *args):
+        t0 = time.time()
+        out = fn(*args)
+        timings[name] = timings.get(name, 0.0) + time.time() - t0
+        return out
+
+    if prepare:
+        timed("prepare-data", prepare_data, cfg)
+        timed("prepare-pool", prepare_pool, cfg)
+        timed("evaluate", evaluate, cfg, 0)
+    for t in range(1, (iterations or cfg.experiment.iterations) + 1):
+        for name in ("generate-rollouts", "verify-rewards", "exchange-and-align",
+                     "compute-capability-stats", "update-policies", "evaluate"):
+            timed(name, STAGES[name], cfg, t)
+    timed("report", report, cfg)
+    return timings

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny pool built through the real code path (transformers + tokenizers)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_problems():
+    from hacrl.data import generate_split
+
+    levels = {"add": 0.5, "sub": 0.5}
+    return {
+        "train": generate_split("train", 800, levels, 99, 0.2, 0),
+        "heldout": generate_split("heldout", 100, levels, 99, 0.2, 0),
+    }
+
+
+def make_agent(arch: str, kind: str, tiny_problems, name: str | None = None):
+    import torch
+
+    from hacrl.config import AgentConfig, TokenizerConfig
+    from hacrl.data import completion_text
+    from hacrl.pool import Agent, build_model, train_tokenizer
+
+    mc = {
+        "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},
+        "llama": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128},
+        "qwen2": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "intermediate_size": 64, "max_position_embeddings": 128},
+    }[arch]
+    ac = AgentConfig(name=name or f"{arch}-{kind}", arch=arch, model_config=mc,
+                     tokenizer=TokenizerConfig(kind=kind, vocab_size=120), template="Q: {problem}\nA:")
+    corpus = [ac.template.replace("{problem}", p["problem"]) + completion_text(p["answer"])
+              for p in tiny_problems["train"]]
+    tok = train_tokenizer(ac.tokenizer, corpus)
+    torch.manual_seed(0)
+    return ac, Agent(ac.name, tok, build_model(ac, tok), ac.template)

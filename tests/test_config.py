@@ -1,0 +1,56 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hacrl import config
+
+
+def test_params_yaml_is_the_composition_of_conf(root):
+    committed = yaml.safe_load((root / "params.yaml").read_text())
+    assert committed == config.compose([]), "params.yaml is stale: run `hacrl config`"
+
+
+def test_iterations_table_has_explicit_prev():
+    assert config.iteration_table(3) == {"it1": {"it": 1, "prev": 0}, "it2": {"it": 2, "prev": 1},
+                                         "it3": {"it": 3, "prev": 2}}
+
+
+def test_overrides_reach_the_typed_config():
+    data = config.compose(["algorithm=gspo", "rollout.group_size=4", "experiment.iterations=3"])
+    cfg = config.from_dict(data)
+    assert cfg.algorithm.name == "gspo" and cfg.algorithm.loss == "gspo"
+    assert cfg.rollout.group_size == 4 and list(data["iterations"]) == ["it1", "it2", "it3"]
+    assert len(cfg.agents) == 3 and len({a.arch for a in cfg.agents}) == 3
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("algorithm=foo", "algorithm", "foo"),
+    ("algorithm.name=foo", "algorithm.name", "foo"),
+    ("rollout.group_size=1", "rollout.group_size", "1"),
+    ("agents.pool.0.path=/no/such/model", "agents[0].path", "/no/such/model"),
+    ("agents.pool.1.tokenizer.kind=sentencepiece", "agents[1].tokenizer.kind", "sentencepiece"),
+    ("trainer.zero_stage=7", "trainer.zero_stage", "7"),
+    ("+rollout.bogus=1", "rollout.bogus", "1"),
+])
+def test_bad_config_fails_at_start_with_one_line(tmp_path, override, key, value):
+    out = tmp_path / "params.yaml"
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", override, "--out", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert key in lines[0] and value in lines[0]
+    assert not out.exists(), "a rejected config must not be written"
+
+
+def test_stage_rejects_a_hand_edited_bad_params_file(tmp_path):
+    data = config.compose([])
+    data["algorithm"]["name"] = "ppo-typo"
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(bad)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("hacrl: error: algorithm.name: invalid value 'ppo-typo'")

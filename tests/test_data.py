@@ -1,0 +1,81 @@
+import json
+from fractions import Fraction
+
+import pytest
+
+from hacrl import data
+
+
+LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
+
+
+def _value(expr: str) -> Fraction:
+    return Fraction(eval(expr.replace("/", "*Fraction(1,1)/"), {"Fraction": Fraction}))  # noqa: S307
+
+
+def test_problems_are_deterministic_and_correct():
+    a = data.generate_split("train", 500, LEVELS, 99, 0.2, seed=3)
+    b = data.generate_split("train", 500, LEVELS, 99, 0.2, seed=3)
+    c = data.generate_split("train", 500, LEVELS, 99, 0.2, seed=4)
+    assert a == b and a != c
+    assert {p["level"] for p in a} == set(LEVELS)
+    for p in a:
+        expr = p["problem"].removeprefix("Compute ").removesuffix(".")
+        ans = p["answer"]
+        if ans.startswith("\\frac"):
+            num, den = ans[6:-1].split("}{")
+            ans = f"{num}/{den}"
+        assert _value(expr) == Fraction(ans), p
+
+
+def test_splits_are_disjoint_whatever_the_seed():
+    train = {p["problem"] for p in data.generate_split("train", 3000, LEVELS, 99, 0.2, seed=0)}
+    held = {p["problem"] for p in data.generate_split("heldout", 1000, LEVELS, 99, 0.2, seed=1)}
+    dev = {p["problem"] for p in data.generate_split("dev", 200, LEVELS, 99, 0.2, seed=2)}
+    assert not (train & held) and not (train & dev) and not (held & dev)
+
+
+def test_too_small_a_space_is_a_clear_error():
+    with pytest.raises(data.DataError, match="fewer than"):
+        data.generate_split("heldout", 5000, {"frac": 1}, 99, 0.2, 0)
+
+
+def test_prompts_for_iteration_depend_on_seed_and_iteration():
+    train = data.generate_split("train", 1000, LEVELS, 99, 0.2, 0)
+    p1 = data.prompts_for_iteration(train, 64, 0, 1)
+    assert p1 == data.prompts_for_iteration(train, 64, 0, 1)
+    assert p1 != data.prompts_for_iteration(train, 64, 0, 2)
+    assert len({p["id"] for p in p1}) == 64
+
+
+def test_loader_reads_jsonl_and_parquet(tmp_path):
+    import pandas as pd
+
+    rows = [{"problem": "What is 2+2?", "answer": "4"}, {"problem": "Half of 3?", "answer": 1.5}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pd.DataFrame(rows[:1]).to_parquet(tmp_path / "a.parquet")
+    got, skipped = data.load_problems(tmp_path / "a.jsonl")
+    assert [g["answer"] for g in got] == ["4", "1.5"] and skipped == 0
+    got, _ = data.load_problems(tmp_path / "a.parquet")
+    assert got[0]["problem"] == "What is 2+2?"
+
+
+@pytest.mark.parametrize("bad_line, why", [
+    ('{"problem": "x"}', "missing field 'answer'"),
+    ('{"problem": "", "answer": "1"}', "non-empty string"),
+    ('not json', "invalid JSON"),
+    ('[1, 2]', "not an object"),
+])
+def test_malformed_row_fails_with_file_and_line_or_is_skipped(tmp_path, bad_line, why):
+    f = tmp_path / "train.jsonl"
+    f.write_text('{"problem": "1+1?", "answer": "2"}\n' + bad_line + "\n")
+    with pytest.raises(data.DataError) as e:
+        data.load_problems(f)
+    assert f"{f}:2:" in str(e.value) and why in str(e.value)
+    got, skipped = data.load_problems(f, on_bad_row="skip")
+    assert len(got) == 1 and skipped == 1
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_problems(tmp_path / "nope.jsonl")

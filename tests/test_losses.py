@@ -1,0 +1,61 @@
+"""GRPO / GSPO against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from hacrl.algorithms import ADVANTAGES, POLICY_LOSSES, kl_k3
+
+
+def test_group_advantage_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv = ADVANTAGES["grpo"](r, g, 1e-6)
+    std = math.sqrt(((1 - 1 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
+    assert adv[0].item() == pytest.approx((1 - 1 / 3) / (std + 1e-6), rel=1e-5)
+    assert adv[1].item() == pytest.approx((0 - 1 / 3) / (std + 1e-6), rel=1e-5)
+    assert torch.all(adv[3:] == 0)
+
+
+def test_grpo_loss_by_hand():
+    # two sequences; the second has one padded position
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.25, 1.0]]))
+    new = torch.log(torch.tensor([[0.6, 0.5], [0.5, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = POLICY_LOSSES["grpo"](new, old, adv, mask, 0.2, 0.28)
+    # seq 1: ratios 1.2 (inside [0.8, 1.28]) and 1.0 -> mean(1.2, 1.0) * 1 = 1.1
+    # seq 2: ratio 2.0 with A<0: min(2*-2, 1.28*-2) = -4 -> mean over its 1 token = -4
+    assert loss.item() == pytest.approx(-(1.1 + -4.0) / 2, rel=1e-6)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_grpo_gradient_is_zero_outside_the_clip_on_the_advantage_side():
+    old = torch.zeros(1, 1)
+    new = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, _ = POLICY_LOSSES["grpo"](new, old, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.28)
+    loss.backward()
+    assert new.grad.abs().item() == 0.0
+
+
+def test_gspo_loss_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.2, 0.2, 0.2]]))
+    new = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.2002, 0.2, 0.2]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([0.5, 1.0])
+    loss, m = POLICY_LOSSES["gspo"](new, old, adv, mask, 3e-4, 4e-4)
+    s2 = math.exp(math.log(1.001) / 3)  # length-normalised: 1.000333 < 1 + 4e-4, not clipped
+    assert loss.item() == pytest.approx(-(1.0 * 0.5 + s2 * 1.0) / 2, rel=1e-6)
+    assert m["clip_frac"] == 0.0
+    new2 = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.3, 0.2, 0.2]]))
+    loss2, m2 = POLICY_LOSSES["gspo"](new2, old, adv, mask, 3e-4, 4e-4)
+    assert loss2.item() == pytest.approx(-(0.5 + 1.0004 * 1.0) / 2, rel=1e-6)
+    assert m2["clip_frac"] == 0.5
+
+
+def test_kl_k3_is_zero_at_the_reference_and_positive_elsewhere():
+    lp = torch.log(torch.tensor([[0.5, 0.25]]))
+    mask = torch.ones(1, 2)
+    assert kl_k3(lp, lp, mask).item() == 0.0
+    assert kl_k3(lp, lp + 0.1, mask).item() > 0

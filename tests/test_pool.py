@@ -1,0 +1,47 @@
+import pytest
+
+from conftest import make_agent
+from hacrl.pool import load_agent, save_agent
+
+KINDS = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokenizers_round_trip_task_text_and_keep_digits_single(kind, tiny_problems):
+    _, agent = make_agent("gpt2", kind, tiny_problems)
+    tok = agent.tokenizer
+    for p in tiny_problems["heldout"][:50]:
+        text = agent.render(p["problem"]) + f" \\boxed{{{p['answer']}}}"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+        for t in tok.convert_ids_to_tokens(ids):
+            digits = [c for c in t if c.isdigit()]
+            assert len(digits) <= 1, f"{kind} merged digits into {t!r}"
+
+
+def test_tokenizers_differ(tiny_problems):
+    toks = [make_agent("gpt2", k, tiny_problems)[1].tokenizer for k in KINDS]
+    text = "Q: Compute 37+45.\nA: \\boxed{82}"
+    segs = [tuple(t.tokenize(text)) for t in toks]
+    assert len(set(segs)) == 3
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_agent_saves_and_loads_back_through_auto_classes(arch, tiny_problems, tmp_path):
+    import torch
+
+    ac, agent = make_agent(arch, "bytelevel_bpe", tiny_problems)
+    save_agent(agent, tmp_path / "a")
+    back = load_agent(ac, tmp_path / "a")
+    assert type(back.model).__name__ == type(agent.model).__name__
+    ids = torch.tensor([agent.tokenizer("Q: Compute 1+2.\nA:")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(agent.model(ids).logits, back.model(ids).logits)
+    assert back.tokenizer.decode(ids[0]) == "Q: Compute 1+2.\nA:"
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_missing_model_dir_is_a_clear_error(tiny_problems, tmp_path):
+    ac, _ = make_agent("gpt2", "bytelevel_bpe", tiny_problems)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_agent(ac, tmp_path / "missing")

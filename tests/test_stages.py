@@ -1,0 +1,110 @@
+"""The stage functions in one process on a miniature config (real transformers, DeepSpeed,
+math-verify); the DVC path is tested in test_e2e_dvc.py."""
+
+import os
+
+import pandas as pd
+import pytest
+
+from hacrl import config, stages
+from hacrl.errors import NonFiniteLossError
+from hacrl.storage import RunLayout, read_json
+
+SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
+         "rollout.max_new_tokens=12", "data.train_size=1000", "data.heldout_size=100", "data.dev_size=40",
+         "trainer.mini_batch_prompts=8", "eval.max_new_tokens=12"]
+
+
+def smoke_config(tmp_path, extra=()):
+    data = config.compose(SMOKE + list(extra))
+    data["experiment"]["runs_dir"] = str(tmp_path / "runs")
+    data["experiment"]["reports_dir"] = str(tmp_path / "reports")
+    return config.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Preparation + iteration 1 up to capability stats, in a scratch directory."""
+    tmp = tmp_path_factory.mktemp("pipe")
+    cwd = os.getcwd()
+    os.chdir(tmp)  # data/ is relative to the working directory, as under dvc
+    try:
+        cfg = smoke_config(tmp, ["algorithm=gspo"])
+        stages.prepare_data(cfg)
+        stages.prepare_pool(cfg)
+        for name in ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats"):
+            stages.STAGES[name](cfg, 1)
+        yield cfg, tmp
+    finally:
+        os.chdir(cwd)
+
+
+def test_rollout_records_carry_what_later_stages_need(pipeline):
+    cfg, tmp = pipeline
+    lay = RunLayout(cfg.experiment.runs_dir)
+    for a in cfg.agents:
+        ro = pd.read_parquet(lay.rollouts(1) / f"{a.name}.parquet")
+        assert len(ro) == 16 * 4
+        assert ro.groupby("prompt_id").size().eq(4).all()
+        assert set(ro["finish_reason"]) <= {"stop", "length"}
+        assert all(len(i) == len(lp) > 0 for i, lp in zip(ro["response_token_ids"], ro["response_logprobs"]))
+        rw = pd.read_parquet(lay.rewards(1) / f"{a.name}.parquet")
+        assert set(rw["verdict"]) <= {"correct", "wrong", "no_answer", "timeout", "gold_unparseable"}
+    # the same prompts for every agent
+    ids = [set(pd.read_parquet(lay.rollouts(1) / f"{a.name}.parquet")["prompt_id"]) for a in cfg.agents]
+    assert ids[0] == ids[1]
+    ex = pd.read_parquet(lay.exchange(1) / "experience.parquet")
+    assert (ex["schema_version"] == 1).all() and set(ex["producer"]) == {a.name for a in cfg.agents}
+    cap = read_json(lay.capability(1))
+    assert set(cap["omega"]) == {a.name for a in cfg.agents} and len(cap["steps"]) == 1
+
+
+def test_gspo_self_ratio_is_exactly_one_on_the_first_minibatch(pipeline, tmp_path):
+    from hacrl.pool import load_agent
+    from hacrl.update import train_learner
+
+    cfg, _ = pipeline
+    lay = RunLayout(cfg.experiment.runs_dir)
+    a = cfg.agents[0]
+    agent = load_agent(a, lay.checkpoint(0, a.name))
+    batch = pd.read_parquet(lay.exchange(1) / f"learner-{a.name}.parquet")
+    stats = train_learner(agent, batch, cfg, seed=0, prev_state=lay.train_state(0) / a.name,
+                          out_state=tmp_path / "st")
+    assert stats["first_ratio_mean"] == 1.0
+    assert stats["updates"] == 2 and stats["total_updates"] == 2
+    assert stats["gen_vs_train_logprob_maxdiff"] < 1e-4
+    # the recovery state continues the update counter and restores the optimizer
+    agent2 = load_agent(a, lay.checkpoint(0, a.name))
+    stats2 = train_learner(agent2, batch, cfg, seed=1, prev_state=tmp_path / "st", out_state=tmp_path / "st2")
+    assert stats2["total_updates"] == 4
+
+
+def test_nan_loss_fails_the_stage_without_a_checkpoint(pipeline):
+    cfg, tmp = pipeline
+    lay = RunLayout(cfg.experiment.runs_dir)
+    f = lay.exchange(1) / f"learner-{cfg.agents[0].name}.parquet"
+    good = pd.read_parquet(f)
+    bad = good.copy()
+    bad["reward"] = float("nan")
+    bad.to_parquet(f, index=False)
+    try:
+        with pytest.raises(NonFiniteLossError):
+            stages.update_policies(cfg, 1)
+        assert not lay.checkpoints(1).exists() and not lay.train_state(1).exists()
+        assert not list(lay.it(1).glob(".tmp-*")), "no half-written checkpoint may remain"
+    finally:
+        good.to_parquet(f, index=False)
+
+
+def test_update_and_evaluate_finish_the_iteration(pipeline):
+    cfg, _ = pipeline
+    lay = RunLayout(cfg.experiment.runs_dir)
+    stats = stages.update_policies(cfg, 1)
+    for a in cfg.agents:
+        assert (lay.checkpoint(1, a.name) / "config.json").exists()
+        assert stats[a.name]["updates"] == 2
+    stages.evaluate(cfg, 0)
+    m = stages.evaluate(cfg, 1)
+    assert set(m["agents"]) == {a.name for a in cfg.agents}
+    hist = read_json(lay.history(1))
+    assert [h["iteration"] for h in hist["iterations"]] == [0, 1]

@@ -1,0 +1,48 @@
+import pandas as pd
+import pytest
+
+from hacrl.capability import omega_matrix, update_history, windowed_capability
+from hacrl.storage import atomic_path, clean_tmp, write_json
+
+
+def test_atomic_dir_is_invisible_until_complete_and_removed_on_error(tmp_path):
+    final = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_path(final, is_dir=True) as tmp:
+            (tmp / "half.bin").write_bytes(b"x" * 10)
+            assert not final.exists()
+            raise RuntimeError("killed")
+    assert not final.exists() and list(tmp_path.iterdir()) == []
+    with atomic_path(final, is_dir=True) as tmp:
+        (tmp / "w.bin").write_bytes(b"ok")
+    assert (final / "w.bin").read_bytes() == b"ok"
+
+
+def test_clean_tmp_removes_debris_of_a_killed_writer(tmp_path):
+    (tmp_path / "runs" / "it1").mkdir(parents=True)
+    (tmp_path / "runs" / "it1" / ".tmp-rollouts-abc").mkdir()
+    (tmp_path / "runs" / "it1" / ".tmp-x.json-1").write_text("{")
+    write_json(tmp_path / "runs" / "it1" / "done.json", {"a": 1})
+    assert clean_tmp(tmp_path / "runs") == 2
+    assert [p.name for p in (tmp_path / "runs" / "it1").iterdir()] == ["done.json"]
+
+
+def test_windowed_capability_and_omega_clamp():
+    hist = [{"a": 0.1, "b": 0.5}, {"a": 0.3, "b": 0.5}, {"a": 0.5, "b": 0.5}]
+    p = windowed_capability(hist, ["a", "b"], window=2)
+    assert p == pytest.approx({"a": 0.4, "b": 0.5})
+    om = omega_matrix({"a": 0.01, "b": 0.5, "c": 0.25})
+    assert om["a"]["b"] == 0.1 and om["b"]["a"] == 10.0 and om["b"]["c"] == pytest.approx(2.0)
+    assert omega_matrix({"a": 0.01, "b": 0.5}, warmup=True)["a"]["b"] == 1.0
+
+
+def test_history_extends_the_previous_iteration():
+    def rewards(vals):
+        return pd.DataFrame({"prompt_id": [f"p{i // 2}" for i in range(len(vals))], "reward": vals})
+
+    d1 = update_history({"steps": []}, 1, {"a": rewards([1, 0, 0, 0]), "b": rewards([1, 1, 1, 0])}, 5, 0.1, 10, 0)
+    d2 = update_history(d1, 2, {"a": rewards([1, 1, 0, 0]), "b": rewards([1, 1, 1, 1])}, 5, 0.1, 10, 0)
+    assert [s["iteration"] for s in d2["steps"]] == [1, 2]
+    assert d2["p_hat"]["a"] == pytest.approx((0.25 + 0.5) / 2)
+    assert d2["omega"]["b"]["a"] == pytest.approx(((0.75 + 1) / 2) / 0.375)
+    assert d2["pooled"]["prompts"] == 2
