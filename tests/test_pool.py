@@ -22,8 +22,11 @@ def test_tokenizers_round_trip_task_text_and_keep_digits_single(kind, tiny_probl
 def test_tokenizers_differ(tiny_problems):
     toks = [make_agent("gpt2", k, tiny_problems)[1].tokenizer for k in KINDS]
     text = "Q: Compute 37+45.\nA: \\boxed{82}"
-    segs = [tuple(t.tokenize(text)) for t in toks]
-    assert len(set(segs)) == 3
+    ids = [tuple(t(text)["input_ids"]) for t in toks]
+    assert len(set(ids)) == 3
+    models = {type(t.backend_tokenizer.model).__name__ for t in toks}
+    assert models == {"BPE", "Unigram"}
+    assert len({str(t.backend_tokenizer.pre_tokenizer) for t in toks}) == 2  # byte-level vs metaspace
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
