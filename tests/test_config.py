@@ -54,3 +54,18 @@ def test_stage_rejects_a_hand_edited_bad_params_file(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("hacrl: error: algorithm.name: invalid value 'ppo-typo'")
+
+
+def test_malformed_dataset_stops_prepare_data_with_file_and_line(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"problem": "3+3?", "answer": "6"}\n')
+    params = tmp_path / "params.yaml"
+    config.write_params(config.compose(["data=files", f"data.train_path={train}",
+                                        f"data.heldout_path={held}"]), params)
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(params)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == f"hacrl: error: {train}:2: missing field 'answer'"
+    assert not (tmp_path / "data" / "tasks").exists()

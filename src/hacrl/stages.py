@@ -94,13 +94,17 @@ def prepare_pool(cfg: Config) -> dict:
             t0 = time.time()
             if ac.path is not None:
                 shutil.copytree(ac.path, tmp_ckpts / ac.name)
-                agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
             else:
                 corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.completion_text(p["answer"])
                           for p in splits["train"]]
                 tok = train_tokenizer(ac.tokenizer, corpus)
-                _check_round_trip(ac.name, tok, corpus[:200])
-                agent = Agent(ac.name, tok, build_model(ac, tok), ac.template)
+                save_agent(Agent(ac.name, tok, build_model(ac, tok), ac.template), tmp_ckpts / ac.name)
+            # from here on the agent is exactly what AutoTokenizer / AutoModelForCausalLM give back
+            # (transformers may rebuild a tokenizer's pipeline for some model types, e.g. qwen2)
+            agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
+            _check_round_trip(ac.name, agent.tokenizer, [
+                ac.template.replace("{problem}", p["problem"]) + task_data.completion_text(p["answer"])
+                for p in splits["dev"][:200]])
             rec = {"params": agent.num_params, "vocab": len(agent.tokenizer), "arch": ac.arch,
                    "tokenizer": ac.tokenizer.kind}
             if ac.warmup.max_steps > 0:
