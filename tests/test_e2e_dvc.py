@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SMOKE
+
 from hacrl.storage import read_json
 
 pytestmark = pytest.mark.slow
 
-SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-         "rollout.max_new_tokens=12", "data.train_size=1000", "data.heldout_size=100", "data.dev_size=40",
-         "trainer.mini_batch_prompts=8", "eval.max_new_tokens=12"]
 STAGES = ["generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats",
           "update-policies", "evaluate"]
 

@@ -6,13 +6,12 @@ import os
 import pandas as pd
 import pytest
 
+from conftest import SMOKE
+
 from hacrl import config, stages
 from hacrl.errors import NonFiniteLossError
 from hacrl.storage import RunLayout, read_json
 
-SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-         "rollout.max_new_tokens=12", "data.train_size=1000", "data.heldout_size=100", "data.dev_size=40",
-         "trainer.mini_batch_prompts=8", "eval.max_new_tokens=12"]
 
 
 def smoke_config(tmp_path, extra=()):

@@ -22,6 +22,10 @@ KNOWN_TOKENIZERS = ("bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram")
 KNOWN_LEVELS = ("add", "sub", "add3", "mul", "frac")
 
 
+GENERATED_KEYS = ("iterations", "agent_names")
+"""Keys of params.yaml derived from the config for dvc.yaml's templating (foreach, plots)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message is one line naming key and value."""
 
@@ -278,7 +282,7 @@ def validate(cfg: Config) -> Config:
 
 def from_dict(data: dict) -> Config:
     """Build and validate a Config from a plain mapping (e.g. loaded params.yaml)."""
-    data = {k: v for k, v in data.items() if k != "iterations"}
+    data = {k: v for k, v in data.items() if k not in GENERATED_KEYS}
     return validate(_build(Config, data, ""))
 
 
@@ -311,6 +315,7 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
         data["agents"] = agents.get("pool", [])
     from_dict(data)  # validate before anything is written
     data["iterations"] = iteration_table(int(data["experiment"]["iterations"]))
+    data["agent_names"] = [a["name"] for a in data["agents"]]
     return data
 
 

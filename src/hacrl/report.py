@@ -43,14 +43,16 @@ def write_report(history: dict, pool: dict, out: Path) -> Path:
     summary = summarize(history, pool)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "summary.json", summary)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["iteration", "agent", "eval_accuracy", "train_reward", "entropy"])
-    for name, a in summary["agents"].items():
-        for it, acc, rw, ent in zip(summary["iterations"], a["eval_accuracy"], a["train_reward"], a["entropy"]):
-            w.writerow([it, name, f"{acc:.4f}", "" if rw is None else f"{rw:.4f}",
-                        "" if ent is None else f"{ent:.4f}"])
-    atomic_write_text(out / "curves.csv", buf.getvalue())
+    # wide per-metric tables: one column per agent, which dvc.yaml's top-level plots name
+    for key in ("eval_accuracy", "train_reward", "entropy"):
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        names = list(summary["agents"])
+        w.writerow(["iteration", *names])
+        for i, it in enumerate(summary["iterations"]):
+            vals = [summary["agents"][n][key][i] for n in names]
+            w.writerow([it, *("" if v is None else f"{v:.4f}" for v in vals)])
+        atomic_write_text(out / "plots" / f"{key}.csv", buf.getvalue())
     _plots(summary, out)
     lines = [f"# {summary['algorithm']} on the embedded pool", "",
              f"Held-out problems: {summary['heldout_n']}. Mean gain over agents: "
