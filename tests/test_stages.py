@@ -54,6 +54,8 @@ def test_rollout_records_carry_what_later_stages_need(pipeline):
     assert ids[0] == ids[1]
     ex = pd.read_parquet(lay.exchange(1) / "experience.parquet")
     assert (ex["schema_version"] == 1).all() and set(ex["producer"]) == {a.name for a in cfg.agents}
+    pool = read_json(lay.it(0) / "pool.json")
+    assert all(p["round_trip_mismatch"] == 0 for p in pool.values())
     cap = read_json(lay.capability(1))
     assert set(cap["omega"]) == {a.name for a in cfg.agents} and len(cap["steps"]) == 1
 

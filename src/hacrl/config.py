@@ -73,7 +73,8 @@ class TokenizerConfig:
 class WarmupConfig:
     target_accuracy: float = 0.3
     """Stop the supervised warm-up once dev accuracy reaches this (weak/mid/strong pool)."""
-    max_steps: int = 2000
+    max_steps: int = 0
+    """Supervised warm-up budget in steps; 0 (the default, e.g. for a real pretrained model) skips it."""
     min_steps: int = 0
     lr: float = 3e-3
     batch_size: int = 128

@@ -102,11 +102,14 @@ def prepare_pool(cfg: Config) -> dict:
             # from here on the agent is exactly what AutoTokenizer / AutoModelForCausalLM give back
             # (transformers may rebuild a tokenizer's pipeline for some model types, e.g. qwen2)
             agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
-            _check_round_trip(ac.name, agent.tokenizer, [
-                ac.template.replace("{problem}", p["problem"]) + task_data.completion_text(p["answer"])
-                for p in splits["dev"][:200]])
             rec = {"params": agent.num_params, "vocab": len(agent.tokenizer), "arch": ac.arch,
-                   "tokenizer": ac.tokenizer.kind}
+                   "tokenizer": ac.tokenizer.kind,
+                   "round_trip_mismatch": round_trip_mismatch(agent.tokenizer, [
+                       agent.render(p["problem"]) + task_data.completion_text(p["answer"])
+                       for p in splits["dev"][:200]])}
+            if rec["round_trip_mismatch"] > 0:
+                log.warning("agent %s: tokenizer decode(encode(text)) != text for %.1f%% of task texts",
+                            ac.name, 100 * rec["round_trip_mismatch"])
             if ac.warmup.max_steps > 0:
                 rec["warmup"] = warm_up(agent, ac.warmup, splits["train"], splits["dev"], ver,
                                         cfg.experiment.seed, cfg.eval.max_new_tokens)
@@ -125,11 +128,10 @@ def prepare_pool(cfg: Config) -> dict:
     return records
 
 
-def _check_round_trip(name: str, tok, texts: list[str]) -> None:
-    for t in texts:
-        back = tok.decode(tok(t, add_special_tokens=False)["input_ids"])
-        if back != t:
-            raise ValueError(f"agent {name}: tokenizer does not round-trip {t!r} (got {back!r})")
+def round_trip_mismatch(tok, texts: list[str]) -> float:
+    """Fraction of ``texts`` whose decode(encode(text)) is not the text (0 for the embedded pool)."""
+    bad = sum(tok.decode(tok(t, add_special_tokens=False)["input_ids"]) != t for t in texts)
+    return bad / max(1, len(texts))
 
 
 # ----------------------------------------------------------------------------- one iteration
