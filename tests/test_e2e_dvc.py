@@ -1,6 +1,7 @@
 """The real `dvc repro` on a miniature config: a full run, a no-op rerun, an extension by one
 iteration, and a kill -9 in the middle of a stage followed by a resume at that stage."""
 
+import json
 import os
 import re
 import shutil
@@ -87,6 +88,12 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     third = _run(["dvc", "repro"], repo).stdout
     assert sorted(_ran(third)) == sorted([f"{s}@it3" for s in STAGES] + ["report"]), third
     assert len(read_json(repo / "reports" / "summary.json")["agents"]["gpt2-a"]["eval_accuracy"]) == 4
+
+    # a trainer change makes the updates stale, not the rollouts that came before them
+    _config(repo, "experiment.iterations=3", "trainer.lr=1e-4")
+    stale = json.loads(_run(["dvc", "status", "--json"], repo).stdout)
+    assert "update-policies@it1" in stale
+    assert not {"prepare-pool", "generate-rollouts@it1", "verify-rewards@it1"} & set(stale)
 
 
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):

@@ -265,8 +265,8 @@ def validate(cfg: Config) -> Config:
     names = set()
     for i, ag in enumerate(cfg.agents):
         key = f"agents[{i}]"
-        _check(bool(ag.name) and ag.name.replace("-", "").replace("_", "").isalnum(), f"{key}.name",
-               ag.name, "letters, digits, - and _ only")
+        _check(bool(ag.name) and ag.name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+               and not ag.name.startswith("."), f"{key}.name", ag.name, "letters, digits, '-', '_' and '.' only")
         _check(ag.name not in names, f"{key}.name", ag.name, "duplicate agent name")
         names.add(ag.name)
         if ag.path is not None:

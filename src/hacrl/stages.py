@@ -78,8 +78,6 @@ def prepare_pool(cfg: Config) -> dict:
     An agent with ``path`` is a real model: its directory is copied as iteration 0's
     checkpoint (and warmed up only if its warm-up budget is positive).
     """
-    import torch
-
     from hacrl.pool import Agent, build_model, load_agent, save_agent, train_tokenizer
     from hacrl.rewards import VerifierPool
     from hacrl.warmup import warm_up
@@ -102,7 +100,8 @@ def prepare_pool(cfg: Config) -> dict:
             # from here on the agent is exactly what AutoTokenizer / AutoModelForCausalLM give back
             # (transformers may rebuild a tokenizer's pipeline for some model types, e.g. qwen2)
             agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
-            rec = {"params": agent.num_params, "vocab": len(agent.tokenizer), "arch": ac.arch,
+            rec = {"params": agent.num_params, "vocab": len(agent.tokenizer),
+                   "arch": agent.model.config.model_type,
                    "tokenizer": ac.tokenizer.kind,
                    "round_trip_mismatch": round_trip_mismatch(agent.tokenizer, [
                        agent.render(p["problem"]) + task_data.completion_text(p["answer"])
@@ -117,8 +116,6 @@ def prepare_pool(cfg: Config) -> dict:
             rec["seconds"] = round(time.time() - t0, 1)
             records[ac.name] = rec
             log.info("agent %s: %s", ac.name, rec)
-            del agent
-            torch.manual_seed(0)
     with atomic_path(lay.train_state(0), is_dir=True) as tmp:
         for ac in cfg.agents:
             (tmp / ac.name).mkdir()
@@ -247,8 +244,6 @@ def compute_capability_stats(cfg: Config, t: int) -> dict:
 
 def update_policies(cfg: Config, t: int) -> dict:
     """One policy update per learner on its training input; new HF checkpoint + recovery state."""
-    import torch
-
     from hacrl.pool import load_agent
     from hacrl.update import train_learner
 
@@ -270,9 +265,7 @@ def update_policies(cfg: Config, t: int) -> dict:
                 ref_model=ref, capability=capability)
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
-            log.info("update %s: %s", ac.name, {k: v for k, v in stats[ac.name].items() if k != "updates_log"})
-            del agent, ref
-            torch.manual_seed(0)
+            log.info("update %s: %s", ac.name, stats[ac.name])
     write_json(lay.update_stats(t), stats)
     return stats
 
