@@ -53,10 +53,31 @@ def train_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str]):
                                           unk_token=sp["unk"],
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(corpus), trainer)
+    if cfg.kind == "bytelevel_unigram":
+        tok = _canonical_unigram(tok, len(specials))
     kwargs = {"eos_token": sp["eos"], "pad_token": sp["pad"]}
     if sp["unk"]:
         kwargs["unk_token"] = sp["unk"]
     return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left", **kwargs)
+
+
+def _canonical_unigram(tok, n_special: int):
+    """Fix the id order of a trained Unigram vocabulary.
+
+    The ``tokenizers`` Unigram trainer is not reproducible across processes (hash-map order):
+    the same pieces come out in another order, with scores that differ in late decimals.
+    Specials keep their ids; the other pieces are ordered by text, so the ids are stable (the
+    scores still vary slightly; they decide nothing while the pieces are single characters).
+    """
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    rest = sorted(([p, round(s, 4)] for p, s in vocab[n_special:]), key=lambda x: x[0])
+    data["model"]["vocab"] = vocab[:n_special] + rest
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def build_model(agent: AgentConfig, tokenizer):

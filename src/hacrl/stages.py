@@ -249,7 +249,6 @@ def update_policies(cfg: Config, t: int) -> dict:
 
     _set_threads(cfg)
     lay = _layout(cfg)
-    capability = read_json(lay.capability(t))
     stats = {}
     with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
             atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
@@ -262,7 +261,7 @@ def update_policies(cfg: Config, t: int) -> dict:
             stats[ac.name] = train_learner(
                 agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, ac.name),
                 prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
-                ref_model=ref, capability=capability)
+                ref_model=ref)
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
             log.info("update %s: %s", ac.name, stats[ac.name])

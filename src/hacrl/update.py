@@ -45,7 +45,7 @@ def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor
 
 
 def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, prev_state: Path,
-                  out_state: Path, ref_model=None, capability: dict | None = None) -> dict:
+                  out_state: Path, ref_model=None) -> dict:
     """Update ``agent.model`` in place on ``batch`` (its learner-input records); return metrics.
 
     Raises :class:`hacrl.trainer.NonFiniteLossError` on a NaN/inf loss; the caller then
