@@ -48,3 +48,23 @@ def test_missing_model_dir_is_a_clear_error(tiny_problems, tmp_path):
     ac, _ = make_agent("gpt2", "bytelevel_bpe", tiny_problems)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_agent(ac, tmp_path / "missing")
+
+
+def test_unigram_ids_are_the_same_in_every_process():
+    """The tokenizers Unigram trainer varies across processes; the pool fixes the id order."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib\n"
+        "from hacrl.config import TokenizerConfig\n"
+        "from hacrl.pool import train_tokenizer\n"
+        "from hacrl.data import generate_split, completion_text\n"
+        "tr = generate_split('train', 1500, {'add': 1, 'sub': 1}, 99, 0.2, 0)\n"
+        "c = [p['problem'] + '\\n=>' + completion_text(p['answer']) for p in tr]\n"
+        "t = train_tokenizer(TokenizerConfig(kind='bytelevel_unigram', vocab_size=400), c)\n"
+        "print(hashlib.md5(str((t(c)['input_ids'], sorted(t.get_vocab().items()))).encode()).hexdigest())\n"
+    )
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            .stdout.strip().splitlines()[-1] for _ in range(3)}
+    assert len(outs) == 1
