@@ -157,11 +157,6 @@ class VerifierPool:
         self.workers[slot] = _Worker(self.timeout_s, self.worker_code)
 
 
-def verify_all(pairs: list[tuple[str, str]], workers: int = 2, timeout_s: float = 5.0) -> list[str]:
-    with VerifierPool(workers, timeout_s) as pool:
-        return pool.verify(pairs)
-
-
 def reward_of(verdict: str) -> float | None:
     """Binary reward; ``None`` means the sample is skipped (the gold answer does not parse)."""
     if verdict == GOLD_UNPARSEABLE:

@@ -133,6 +133,11 @@ def round_trip_mismatch(tok, texts: list[str]) -> float:
 
 # ----------------------------------------------------------------------------- one iteration
 
+def hash_seed(*parts) -> int:
+    """A stable seed from the master seed and names (stage, iteration, agent)."""
+    return random.Random("/".join(map(str, parts))).randrange(2**31 - 1)
+
+
 def generate_rollouts(cfg: Config, t: int) -> dict:
     """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards."""
     import pandas as pd
@@ -175,10 +180,6 @@ def generate_rollouts(cfg: Config, t: int) -> dict:
                               "tokens_per_s": round(ntok / max(secs, 1e-9), 1)}
             log.info("rollouts %s: %s", ac.name, stats[ac.name])
     return stats
-
-
-def hash_seed(*parts) -> int:
-    return random.Random("/".join(map(str, parts))).randrange(2**31 - 1)
 
 
 def verify_rewards(cfg: Config, t: int) -> dict:

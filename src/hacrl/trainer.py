@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +48,9 @@ def init_distributed() -> None:
 
 @dataclass
 class TrainState:
-    """The recovery state besides the weights: what a resume restores."""
+    """Counters of the recovery state (optimizer and RNG states travel in the same checkpoint)."""
 
     updates: int = 0
-    rng: dict = field(default_factory=dict)
 
 
 def capture_rng() -> dict:
