@@ -95,6 +95,11 @@ class AgentConfig:
     """The agent's own prompt template; ``{problem}`` is replaced by the problem text."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
+    @property
+    def tokenizer_id(self) -> str:
+        """What identifies the agent's tokenizer in records: the trained kind, or the directory."""
+        return self.tokenizer.kind if self.path is None else str(self.tokenizer.path or self.path)
+
 
 @dataclass
 class AlgorithmConfig:

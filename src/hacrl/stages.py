@@ -32,9 +32,9 @@ def _set_threads(cfg: Config) -> None:
     torch.set_num_threads(max(1, cfg.experiment.threads))
 
 
-def _splits(cfg: Config) -> dict[str, list[dict]]:
-    tasks = _layout(cfg).tasks
-    return {s: task_data.read_jsonl(tasks / f"{s}.jsonl") for s in ("train", "dev", "heldout")}
+def _split(cfg: Config, name: str) -> list[dict]:
+    """One split of the prepared task data (train, dev or heldout)."""
+    return task_data.read_jsonl(_layout(cfg).tasks / f"{name}.jsonl")
 
 
 # ----------------------------------------------------------------------------- preparation
@@ -84,7 +84,7 @@ def prepare_pool(cfg: Config) -> dict:
 
     _set_threads(cfg)
     lay = _layout(cfg)
-    splits = _splits(cfg)
+    splits = {s: _split(cfg, s) for s in ("train", "dev")}
     records = {}
     ckpts = lay.checkpoints(0)
     with atomic_path(ckpts, is_dir=True) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
@@ -102,7 +102,7 @@ def prepare_pool(cfg: Config) -> dict:
             agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
             rec = {"params": agent.num_params, "vocab": len(agent.tokenizer),
                    "arch": agent.model.config.model_type,
-                   "tokenizer": ac.tokenizer.kind,
+                   "tokenizer": ac.tokenizer_id,
                    "round_trip_mismatch": round_trip_mismatch(agent.tokenizer, [
                        agent.render(p["problem"]) + task_data.completion_text(p["answer"])
                        for p in splits["dev"][:200]])}
@@ -147,12 +147,12 @@ def generate_rollouts(cfg: Config, t: int) -> dict:
 
     _set_threads(cfg)
     lay = _layout(cfg)
-    prompts = task_data.prompts_for_iteration(_splits(cfg)["train"], cfg.rollout.prompts_per_iteration,
+    prompts = task_data.prompts_for_iteration(_split(cfg, "train"), cfg.rollout.prompts_per_iteration,
                                               cfg.experiment.seed, t)
     r = cfg.rollout
     stats = {}
     with atomic_path(lay.rollouts(t), is_dir=True) as tmp:
-        for k, ac in enumerate(cfg.agents):
+        for ac in cfg.agents:
             t0 = time.time()
             agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
             engine = HFEngine(agent.model, agent.tokenizer, r.batch_size, desc=f"rollouts {ac.name}")
@@ -166,7 +166,7 @@ def generate_rollouts(cfg: Config, t: int) -> dict:
                 p = prompts[c.prompt_index]
                 rows.append({
                     "record_id": f"it{t}/{ac.name}/{p['id']}/{c.sample_index}",
-                    "step": t, "producer": ac.name, "producer_tokenizer": ac.tokenizer.kind,
+                    "step": t, "producer": ac.name, "producer_tokenizer": ac.tokenizer_id,
                     "prompt_id": p["id"], "problem": p["problem"], "gold": p["answer"],
                     "level": p["level"], "rendered_prompt": rendered[c.prompt_index],
                     "prompt_token_ids": c.prompt_token_ids, "response_text": c.text,
@@ -284,7 +284,8 @@ def evaluate(cfg: Config, t: int) -> dict:
 
     _set_threads(cfg)
     lay = _layout(cfg)
-    held = _splits(cfg)["heldout"]
+    held = _split(cfg, "heldout")
+    update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
     metrics: dict = {"iteration": t, "agents": {}}
     with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
         for ac in cfg.agents:
@@ -297,7 +298,7 @@ def evaluate(cfg: Config, t: int) -> dict:
                 rw = read_parquet(lay.rewards(t) / f"{ac.name}.parquet")["reward"].dropna()
                 m["train_reward"] = float(rw.mean())
                 m["train_reward_stderr"] = float(rw.std(ddof=1) / math.sqrt(len(rw))) if len(rw) > 1 else 0.0
-                us = read_json(lay.update_stats(t))[ac.name]
+                us = update_stats[ac.name]
                 m["entropy"] = us["entropy"]
                 m["grad_norm"] = us["grad_norm"]
             metrics["agents"][ac.name] = m
