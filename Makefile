@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OVERRIDES ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast params clean-runs
+.PHONY: setup run test test-fast params clean-runs serve stop
 
 setup: $(STAMP)
 
@@ -28,6 +28,16 @@ params: setup
 run: params
 	$(BIN)/dvc repro
 	@echo "Report: $(CURDIR)/reports/README.md (summary: reports/summary.json, plots: reports/*.png)"
+
+# Prefect server + work pools + deployments + worker, MLflow UI (127.0.0.1); writes .services.env
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+serve: setup
+	@test -f params.yaml || $(BIN)/hacrl config
+	$(BIN)/hacrl serve --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
+
+stop:
+	@if [ -x $(BIN)/hacrl ]; then $(BIN)/hacrl stop; fi
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -48,6 +48,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from hacrl import config as config_mod
+    from hacrl import tracking
     from hacrl.stages import STAGES
     from hacrl.storage import clean_tmp
 
@@ -63,11 +64,29 @@ def cmd_stage(args: argparse.Namespace) -> int:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
     t0 = time.time()
     log.info("stage %s (iteration %d) started", args.name, t)
-    result = STAGES[args.name](cfg, t)
-    log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, time.time() - t0)
+    try:
+        _injected_fault(args.name, t)
+        result = STAGES[args.name](cfg, t)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):
+            tracking.log_stage(cfg, args.name, t, None, time.time() - t0, error=e)
+        raise
+    wall = time.time() - t0
+    log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, wall)
+    tracking.log_stage(cfg, args.name, t, result, wall)
     if args.print_result:
         print(json.dumps(result, indent=2, default=str))
     return 0
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose (``HACRL_FAULT=raise:STAGE@itT``) to test failure handling."""
+
+
+def _injected_fault(stage: str, t: int) -> None:
+    spec = os.environ.get("HACRL_FAULT", "")
+    if spec == f"raise:{stage}@it{t}":
+        raise InjectedFault(f"injected fault in {stage}@it{t} (HACRL_FAULT={spec})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -77,6 +96,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.params)
     timings = run_in_process(cfg)
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hacrl.services import ENV_FILE, ServiceError, serve
+
+    try:
+        st = serve(args.project, args.prefect_port, args.mlflow_port, args.gpu_workers, not args.no_mlflow_ui)
+    except ServiceError as e:
+        print(f"hacrl: error: {e}", file=sys.stderr)
+        return 1
+    env = Path(args.project).resolve() / ENV_FILE
+    print(f"Prefect UI   http://127.0.0.1:{st['prefect_port']}  (deployments hacrl/iterate, hacrl-stage/gpu)")
+    if not args.no_mlflow_ui:
+        print(f"MLflow UI    http://127.0.0.1:{st['mlflow_port']}")
+    print(f"In a new shell:  source .venv/bin/activate && source {env}")
+    print("Then:           prefect deployment run hacrl/iterate --watch      (stop: make stop)")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from hacrl.services import stop
+
+    stopped = stop(args.project)
+    print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
 
 
@@ -98,6 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
     r.add_argument("--params", default=None)
     r.set_defaults(fn=cmd_run)
+    sv = sub.add_parser("serve", help="start Prefect (server, pools, deployments, workers) and the MLflow UI")
+    sv.add_argument("--project", default=".")
+    sv.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)),
+                    help="0 picks a free port")
+    sv.add_argument("--mlflow-port", type=int, default=int(os.environ.get("MLFLOW_PORT", 5000)))
+    sv.add_argument("--gpu-workers", type=int, default=None, help="workers on the gpu pool (default: 1 if GPUs)")
+    sv.add_argument("--no-mlflow-ui", action="store_true")
+    sv.set_defaults(fn=cmd_serve)
+    st = sub.add_parser("stop", help="stop what `hacrl serve` started")
+    st.add_argument("--project", default=".")
+    st.set_defaults(fn=cmd_stop)
     args = parser.parse_args(argv)
     _setup_logging(args.log_level.upper())
 

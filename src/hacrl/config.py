@@ -172,6 +172,36 @@ class EvalConfig:
 
 
 @dataclass
+class OrchestrationConfig:
+    """How ``prefect deployment run hacrl/iterate`` drives the DVC stages (no effect on results)."""
+
+    retries: int = 1
+    """Retries of a failed stage task (transient failures; config and data errors never retry)."""
+    retry_delay_s: float = 5.0
+    lock_timeout_s: float = 600.0
+    """How long a second iterate run waits for the workspace lock before failing (0: fail at once)."""
+    gpu_routing: str = "auto"
+    """``auto``: run update-policies on ``gpu_pool`` when a worker is online there, else in the
+    flow (CPU pool); ``pool``: always on ``gpu_pool``; ``local``: always in the flow."""
+    gpu_pool: str = "gpu"
+    gpu_deployment: str = "hacrl-stage/gpu"
+    """The deployment (flow/name) that runs one stage on ``gpu_pool``."""
+    cpu_pool: str = "cpu"
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow lineage. URI: ``uri`` if set, else ``$MLFLOW_TRACKING_URI``, else a project sqlite file."""
+
+    enabled: bool = True
+    uri: str | None = None
+    artifact_dir: str = "mlartifacts"
+    """Where a new experiment keeps its artifacts (relative to the project)."""
+    register_models: bool = True
+    """Register every agent's checkpoint as a model version (pointing at the DVC-tracked directory)."""
+
+
+@dataclass
 class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -181,6 +211,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def agent(self, name: str) -> AgentConfig:
         for a in self.agents:
@@ -254,6 +286,12 @@ def validate(cfg: Config) -> Config:
     _check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _check(t.mini_batch_prompts >= 1, "trainer.mini_batch_prompts", t.mini_batch_prompts, "must be >= 1")
     _check(t.dtype in ("fp32", "bf16"), "trainer.dtype", t.dtype, "fp32 or bf16")
+    o = cfg.orchestration
+    _check(o.gpu_routing in ("auto", "pool", "local"), "orchestration.gpu_routing", o.gpu_routing,
+           "auto, pool or local")
+    _check(isinstance(o.retries, int) and o.retries >= 0, "orchestration.retries", o.retries, "must be >= 0")
+    _check(o.lock_timeout_s >= 0, "orchestration.lock_timeout_s", o.lock_timeout_s, "must be >= 0")
+    _check("/" in o.gpu_deployment, "orchestration.gpu_deployment", o.gpu_deployment, "flow/deployment")
     d = cfg.data
     _check(d.source in ("procedural", "files"), "data.source", d.source, "procedural or files")
     _check(d.on_bad_row in ("error", "skip"), "data.on_bad_row", d.on_bad_row, "error or skip")

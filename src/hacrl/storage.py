@@ -17,6 +17,17 @@ from pathlib import Path
 from typing import Any
 
 TMP_PREFIX = ".tmp-"
+FAULT_ENV = "HACRL_FAULT"
+"""Fault injection for the resume tests: ``kill-before-rename:NAME`` SIGKILLs the process when an
+artifact named NAME is complete under its temporary name, i.e. in the middle of a stage's writes."""
+
+
+def _fault_point(final: Path) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("kill-before-rename:") and spec.split(":", 1)[1] == final.name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tmp_sibling(path: Path, is_dir: bool) -> Path:
@@ -47,6 +58,7 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]
             os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
         else:
             os.chmod(tmp, 0o644)
+        _fault_point(final)
         _replace(tmp, final)
     except BaseException:
         if tmp.is_dir():

@@ -1,0 +1,1 @@
+"""Prefect flows: ``hacrl/iterate`` (one RL iteration per run) and ``hacrl-stage/gpu``."""

@@ -1,0 +1,203 @@
+"""What an orchestrator needs to drive the DVC pipeline one iteration at a time.
+
+Prefect's ``hacrl/iterate`` flow (``flows/iterate.py``) is a thin layer over these functions:
+plan the next iteration from ``dvc status``, hold the workspace lock, and run each stage through
+``dvc repro --single-item`` so that ``dvc.lock`` records it and ``dvc repro`` never redoes it.
+Nothing here imports Prefect; it is tested on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from hacrl.config import ConfigError, compose, from_dict, iteration_table, write_params
+
+log = logging.getLogger(__name__)
+
+ITERATION_STAGES = ("generate-rollouts", "verify-rewards", "exchange-and-align",
+                    "compute-capability-stats", "update-policies", "evaluate")
+PREPARE_STAGES = ("prepare-data", "prepare-pool", "evaluate-warmup")
+GPU_STAGES = ("update-policies",)
+LOCK_FILE = ".hacrl-iterate.lock"
+NO_RETRY_EXIT_CODES = (2, 3)
+"""``hacrl stage`` exit codes of a config/data error (2) and a non-finite loss (3): retrying
+would fail the same way."""
+
+
+class StageFailed(RuntimeError):
+    """A stage's ``dvc repro`` failed; carries the stage, the exit code and the output's tail."""
+
+    def __init__(self, stage: str, exit_code: int | None, tail: str) -> None:
+        self.stage, self.exit_code, self.tail = stage, exit_code, tail
+        code = f"exit {exit_code}" if exit_code is not None else "no exit code"
+        super().__init__(f"stage {stage} failed ({code}):\n{tail}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.exit_code not in NO_RETRY_EXIT_CODES
+
+
+class LockBusy(RuntimeError):
+    """Another iterate run holds the workspace lock."""
+
+
+def stage_id(stage: str, t: int) -> str:
+    """DVC's name of ``stage`` in iteration ``t`` (``generate-rollouts@it3``)."""
+    return f"{stage}@it{t}"
+
+
+def read_params(project: Path) -> dict:
+    with open(project / "params.yaml") as f:
+        return yaml.safe_load(f) or {}
+
+
+def set_iterations(project: Path, n: int) -> dict:
+    """Rewrite params.yaml with ``n`` iterations, everything else as it is.
+
+    The current params.yaml is kept (including the overrides it was composed with); only the
+    iteration count and DVC's ``iterations`` table change, which no stage depends on: nothing
+    finished becomes stale.
+    """
+    data = read_params(project)
+    data["experiment"]["iterations"] = int(n)
+    from_dict(data)
+    data["iterations"] = iteration_table(int(n))
+    write_params(data, project / "params.yaml")
+    return data
+
+
+def dvc_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a DVC subprocess: this interpreter's bin first (``hacrl`` and ``dvc``)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra or {})
+    return env
+
+
+def stale_stages(project: Path) -> set[str]:
+    """Names of the stages ``dvc status`` reports as changed (missing outputs included)."""
+    p = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project, env=dvc_env(),
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise StageFailed("dvc status", p.returncode, (p.stdout + p.stderr)[-3000:])
+    out = p.stdout.strip()
+    return set(json.loads(out)) if out else set()
+
+
+@dataclass
+class Plan:
+    """What one iterate run will do."""
+
+    iteration: int
+    configured: int
+    """``experiment.iterations`` after the plan (grown by one when every iteration was done)."""
+    prepare: bool
+    """Whether the preparation stages (data, pool, warm-up eval) must run first."""
+    extended: bool
+    stale: set[str]
+
+
+def plan_iteration(project: Path, iteration: int | None = None, overrides: list[str] | None = None) -> Plan:
+    """Choose the iteration to run: ``iteration`` if given, else the first one not yet done.
+
+    When every configured iteration is done, the experiment grows by one (params.yaml's
+    ``experiment.iterations``, hence dvc.yaml's ``foreach``). Call under :func:`workspace_lock`.
+    """
+    if overrides:
+        current = int(read_params(project)["experiment"]["iterations"])
+        data = compose(overrides)
+        if not any(o.split("=", 1)[0].lstrip("+~") == "experiment.iterations" for o in overrides):
+            data["experiment"]["iterations"] = max(current, int(data["experiment"]["iterations"]))
+            data["iterations"] = iteration_table(data["experiment"]["iterations"])
+        write_params(data, project / "params.yaml")
+    n = int(read_params(project)["experiment"]["iterations"])
+    stale = stale_stages(project)
+    pending = [t for t in range(1, n + 1) if any(stage_id(s, t) in stale for s in ITERATION_STAGES)]
+    if iteration is None:
+        iteration = pending[0] if pending else n + 1
+    if iteration < 1:
+        raise ConfigError(f"iteration: invalid value {iteration} (RL iterations start at 1)")
+    earlier = [t for t in pending if t < iteration]
+    if earlier:
+        raise ConfigError(f"iteration: invalid value {iteration} (iteration {earlier[0]} is not done; "
+                          f"run it first, or leave the iteration unset)")
+    if iteration > n + 1:
+        raise ConfigError(f"iteration: invalid value {iteration} (only {n} configured and done; "
+                          f"the next one is {n + 1})")
+    extended = iteration == n + 1
+    if extended:
+        set_iterations(project, iteration)
+        n = iteration
+        stale = stale_stages(project)
+    prepare = any(s in stale for s in PREPARE_STAGES)
+    return Plan(iteration, n, prepare, extended, stale)
+
+
+@contextlib.contextmanager
+def workspace_lock(project: Path, timeout_s: float, holder: str = "") -> Iterator[None]:
+    """Hold the workspace's iterate lock; wait up to ``timeout_s``, then raise :class:`LockBusy`.
+
+    ``flock`` is released by the kernel when the holder dies, so a killed run never leaves a
+    stale lock behind.
+    """
+    path = project / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown holder"
+                    raise LockBusy(f"another iterate run holds the workspace lock {path} ({other}); "
+                                   f"waited {timeout_s:.0f}s. Wait for it, or raise "
+                                   f"orchestration.lock_timeout_s") from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} {holder}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str, str] | None = None,
+                  on_line: Callable[[str], None] | None = None) -> bool:
+    """``dvc repro --single-item STAGE``; returns whether the stage ran (False: up to date).
+
+    Output lines go to ``on_line`` as they come; on failure :class:`StageFailed` carries the
+    stage's exit code (parsed from DVC's message) and the last lines.
+    """
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
+    proc = subprocess.Popen(cmd, cwd=project, env=dvc_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        if on_line is not None and line.strip():
+            on_line(line)
+    rc = proc.wait()
+    text = "\n".join(lines)
+    if rc != 0:
+        m = re.search(r"exited with (-?\d+)", text)
+        code = int(m.group(1)) if m else None
+        errors = [ln for ln in lines if "error" in ln.lower() or "Error" in ln]
+        tail = "\n".join((errors[-5:] if errors else []) + lines[-15:])
+        raise StageFailed(stage, code, tail)
+    return f"Running stage '{stage}'" in text

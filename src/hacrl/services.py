@@ -1,0 +1,214 @@
+"""``make serve`` / ``make stop``: the local services, on 127.0.0.1 only.
+
+``serve`` starts, each in its own process group (``setsid``) so that ``stop`` can end it and
+every child it spawned:
+
+- a Prefect server with a project-local ``PREFECT_HOME`` (``.prefect/``), analytics off;
+- work pools ``cpu`` and ``gpu`` (process type; ``gpu`` limited to the number of GPUs), the
+  deployments of ``prefect.yaml`` (``hacrl/iterate``, ``hacrl-stage/gpu``) and a worker on
+  ``cpu`` (plus one on ``gpu`` when this machine has GPUs);
+- the MLflow UI over the project's store (``mlflow.db``, ``mlartifacts/``).
+
+It writes ``.services.env``: ``source`` it in a new shell and the ``prefect`` and ``mlflow``
+commands talk to these services. Nothing global (``~/.prefect``, profiles) is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV_FILE = ".services.env"
+STATE_DIR = ".services"
+HOST = "127.0.0.1"
+
+
+class ServiceError(RuntimeError):
+    """A service did not start (the message names it and its log file)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+            return True
+        except OSError:
+            return False
+
+
+def gpu_count() -> int:
+    """GPUs this machine offers to the policy update (0 without CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str, str]:
+    """The variables a shell (and every service) needs to reach this project's services."""
+    return {
+        "PREFECT_HOME": str(project / ".prefect"),
+        "PREFECT_API_URL": f"http://{HOST}:{prefect_port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": HOST,
+        "PREFECT_SERVER_API_PORT": str(prefect_port),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
+        "HACRL_MLFLOW_UI": f"http://{HOST}:{mlflow_port}",
+        "HACRL_PROJECT_DIR": str(project),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def _state(project: Path) -> dict:
+    p = project / STATE_DIR / "services.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _start(project: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
+    logs = project / STATE_DIR
+    logs.mkdir(exist_ok=True)
+    out = open(logs / f"{name}.log", "ab")
+    proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    out.close()
+    return proc.pid  # == its process group id (start_new_session)
+
+
+def _wait_http(url: str, name: str, pgid: int, log_file: Path, timeout_s: float = 90) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not _alive(pgid):
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+    raise ServiceError(f"{name} did not become healthy at {url} within {timeout_s:.0f}s; see {log_file}:\n{tail}")
+
+
+def _prefect(project: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    p = subprocess.run([_bin("prefect"), "--no-prompt", *args], cwd=project, env=env,
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        raise ServiceError(f"`prefect {' '.join(args)}` failed:\n{(p.stdout + p.stderr)[-3000:]}")
+    return p
+
+
+def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_port: int = 5000,
+          gpu_workers: int | None = None, mlflow_ui: bool = True) -> dict:
+    """Start the services (see the module docstring); return their state (ports, process groups).
+
+    Ports 0 pick free ones. ``gpu_workers`` defaults to 1 on a machine with GPUs, else 0.
+    """
+    project = Path(project).resolve()
+    state = _state(project)
+    if any(_alive(pg) for pg in state.get("pgids", {}).values()):
+        raise ServiceError(f"services already running ({', '.join(state['pgids'])}); `make stop` first")
+    prefect_port = prefect_port or free_port()
+    mlflow_port = mlflow_port or free_port()
+    for name, port in (("Prefect", prefect_port), ("MLflow UI", mlflow_port if mlflow_ui else None)):
+        if port is not None and not _port_free(port):
+            raise ServiceError(f"{name} port {HOST}:{port} is in use; pick another "
+                               f"(make serve PREFECT_PORT=... MLFLOW_PORT=...)")
+    gpus = gpu_count()
+    gpu_workers = (1 if gpus else 0) if gpu_workers is None else gpu_workers
+    env = {**os.environ, **service_env(project, prefect_port, mlflow_port)}
+    (project / ".prefect").mkdir(exist_ok=True)
+    state = {"prefect_port": prefect_port, "mlflow_port": mlflow_port, "gpus": gpus, "pgids": {}}
+    logs = project / STATE_DIR
+
+    def record() -> None:
+        logs.mkdir(exist_ok=True)
+        (logs / "services.json").write_text(json.dumps(state, indent=2))
+
+    try:
+        pg = _start(project, "prefect-server", [_bin("prefect"), "server", "start", "--host", HOST,
+                                                "--port", str(prefect_port)], env)
+        state["pgids"]["prefect-server"] = pg
+        record()
+        _wait_http(f"http://{HOST}:{prefect_port}/api/health", "Prefect server", pg, logs / "prefect-server.log")
+        _prefect(project, env, "work-pool", "create", "cpu", "--type", "process", "--overwrite")
+        _prefect(project, env, "work-pool", "create", "gpu", "--type", "process", "--overwrite")
+        _prefect(project, env, "work-pool", "set-concurrency-limit", "gpu", str(max(1, gpus)))
+        _prefect(project, env, "deploy", "--all")
+        state["pgids"]["worker-cpu"] = _start(project, "worker-cpu", [_bin("prefect"), "worker", "start",
+                                                                      "--pool", "cpu", "--type", "process"], env)
+        for i in range(gpu_workers):
+            state["pgids"][f"worker-gpu-{i}"] = _start(project, f"worker-gpu-{i}", [
+                _bin("prefect"), "worker", "start", "--pool", "gpu", "--type", "process"], env)
+        record()
+        if mlflow_ui:
+            menv = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+            pg = _start(project, "mlflow-ui", [
+                _bin("mlflow"), "server", "--backend-store-uri", env["MLFLOW_TRACKING_URI"],
+                "--default-artifact-root", (project / "mlartifacts").as_uri(),
+                "--host", HOST, "--port", str(mlflow_port), "--workers", "1"], menv)
+            state["pgids"]["mlflow-ui"] = pg
+            record()
+            _wait_http(f"http://{HOST}:{mlflow_port}/health", "MLflow UI", pg, logs / "mlflow-ui.log")
+    except BaseException:
+        stop(project)
+        raise
+    lines = [f"export {k}={v}" for k, v in service_env(project, prefect_port, mlflow_port).items() if k != "PATH"]
+    lines.append(f"export PATH={Path(sys.executable).parent}:$PATH")
+    (project / ENV_FILE).write_text("# written by `make serve`; `source` it in a new shell\n" + "\n".join(lines) + "\n")
+    return state
+
+
+def stop(project: str | os.PathLike = ".", grace_s: float = 10.0) -> list[str]:
+    """Stop every service ``serve`` started (their whole process groups); return their names."""
+    project = Path(project).resolve()
+    state = _state(project)
+    stopped = []
+    pgids = state.get("pgids", {})
+    # workers first, so that no flow run is picked up while the server goes away
+    for name in sorted(pgids, key=lambda n: (n == "prefect-server", n)):
+        pg = pgids[name]
+        if not _alive(pg):
+            continue
+        os.killpg(pg, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while _alive(pg) and time.time() < deadline:
+            time.sleep(0.2)
+        if _alive(pg):  # some Prefect processes ignore SIGTERM once their server is gone
+            os.killpg(pg, signal.SIGKILL)
+        stopped.append(name)
+    for f in (project / STATE_DIR / "services.json", project / ENV_FILE):
+        f.unlink(missing_ok=True)
+    return stopped

@@ -1,0 +1,67 @@
+"""Prefect tasks: one DVC stage each, and the GPU-routed policy update.
+
+Each task runs ``dvc repro --single-item STAGE`` (see ``hacrl.orchestration``), so DVC records
+what Prefect ran and skips what is already up to date; the stage's output streams to the task's
+log. Config and data errors (exit 2) and non-finite losses (exit 3) are not retried.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, runtime, task
+
+from hacrl.orchestration import StageFailed, run_dvc_stage
+from hacrl.tracking import FLOW_RUN_ENV
+
+
+def _retryable(task, task_run, state) -> bool:
+    """Retry a failed stage unless its exit code says retrying cannot help."""
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:
+        return True
+    return not (isinstance(exc, StageFailed) and not exc.retryable)
+
+
+@task(name="dvc-stage", tags=["hacrl"], retry_condition_fn=_retryable)
+def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
+    """Run one DVC stage (``name@itT``); return ``ran`` or ``up-to-date``."""
+    logger = get_run_logger()
+    flow_run_id = runtime.flow_run.root_flow_run_id or runtime.flow_run.id or ""
+    ran = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
+                        on_line=logger.info)
+    logger.info("%s: %s", stage, "ran" if ran else "up to date (DVC), skipped")
+    return "ran" if ran else "up-to-date"
+
+
+def gpu_pool_has_workers(pool: str) -> bool:
+    """Whether work pool ``pool`` exists and has at least one online worker."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_work_pool(pool)
+            workers = client.read_workers_for_work_pool(pool)
+    except Exception:  # no such pool, or no API: stay local
+        return False
+    return any(str(getattr(w, "status", "")).upper().endswith("ONLINE") for w in workers)
+
+
+@task(name="gpu-stage", tags=["hacrl", "gpu"], retry_condition_fn=_retryable)
+def gpu_stage(project_dir: str, stage: str, force: bool, routing: str, pool: str, deployment: str) -> str:
+    """A GPU stage: on ``pool`` through ``deployment`` when routed there, else in this flow."""
+    logger = get_run_logger()
+    if routing == "pool" or (routing == "auto" and gpu_pool_has_workers(pool)):
+        from prefect.deployments import run_deployment
+
+        logger.info("%s: routed to work pool %r (deployment %s)", stage, pool, deployment)
+        fr = run_deployment(deployment, parameters={"project_dir": project_dir, "stage": stage, "force": force},
+                            timeout=None, as_subflow=True)
+        if not fr.state or not fr.state.is_completed():
+            raise StageFailed(stage, None, f"flow run {fr.name} on work pool {pool!r} ended "
+                                           f"{fr.state.type.value if fr.state else 'without a state'}: "
+                                           f"{fr.state.message if fr.state else ''}")
+        return f"ran on {pool}"
+    logger.info("%s: no GPU pool in use (routing=%s); running in this flow", stage, routing)
+    return dvc_stage.fn(project_dir, stage, force)
