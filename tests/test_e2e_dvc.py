@@ -96,6 +96,55 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     assert not {"prepare-pool", "generate-rollouts@it1", "verify-rewards@it1"} & set(stale)
 
 
+def _outs(repo, stage):
+    import yaml
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    return {o["path"]: o["md5"] for o in lock["stages"][stage]["outs"]}
+
+
+def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo):
+    """`dvc repro` alone logged the lineage: walk it from the last evaluate run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("smoke").experiment_id
+    evals = client.search_runs([exp], "tags.`hacrl.stage` = 'evaluate'", order_by=["attributes.start_time DESC"])
+    last = evals[0]
+    t = last.data.tags["hacrl.iteration"]
+    assert t == "3" and last.info.status == "FINISHED"
+    assert 0 <= last.data.metrics["gpt2-a/eval_accuracy"] <= 1
+    # eval run -> the registered checkpoint it scored
+    name, version = last.data.tags["hacrl.model_version.gpt2-a"].split("/")
+    mv = client.get_model_version(name, version)
+    ckpt_dir = f"runs/it{t}/checkpoints"
+    assert mv.tags["iteration"] == t and mv.tags["dvc_out_hash"] == _outs(repo, f"update-policies@it{t}")[ckpt_dir]
+    assert mv.source == (repo / ckpt_dir / "gpt2-a").resolve().as_uri()
+    assert mv.tags["prefect_flow_run_id"] == "none"  # launched by dvc repro, not Prefect
+    # checkpoint -> the update run that produced it -> the rollout shards it trained on
+    upd = client.get_run(mv.run_id)
+    assert upd.data.tags["hacrl.stage"] == "update-policies" and upd.data.tags["hacrl.iteration"] == t
+    digests = {d.dataset.name: d.dataset.digest for d in upd.inputs.dataset_inputs}
+    dir_md5 = _outs(repo, f"generate-rollouts@it{t}")[f"runs/it{t}/rollouts"]
+    manifest = repo / ".dvc" / "cache" / "files" / "md5" / dir_md5[:2] / dir_md5[2:]
+    dvc_files = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
+    for agent in ("gpt2-a", "llama-b"):
+        assert digests[f"rollouts/it{t}/{agent}"] == dvc_files[f"{agent}.parquet"]
+    assert digests.keys() >= {f"rewards/it{t}/gpt2-a", f"exchange/it{t}/learner-gpt2-a"}
+    # -> the config: the iteration run holds the resolved config as params
+    it_run = client.get_run(upd.data.tags["mlflow.parentRunId"])
+    assert it_run.info.run_id == last.data.tags["mlflow.parentRunId"]
+    assert it_run.data.params["algorithm.name"] == "grpo" and it_run.data.params["rollout.group_size"] == "4"
+    assert it_run.data.params["agents.0.name"] == "gpt2-a"
+    # per-agent nested runs with the iteration's metrics
+    agent_runs = client.search_runs([exp], f"tags.mlflow.parentRunId = '{it_run.info.run_id}' "
+                                           "and tags.`hacrl.kind` = 'agent'")
+    assert {r.data.tags["hacrl.agent"] for r in agent_runs} == {"gpt2-a", "llama-b"}
+    for r in agent_runs:
+        assert {"eval_accuracy", "reward_mean", "train_entropy", "train_clip_frac", "train_kl_to_init",
+                "rollout_tokens_per_s"} <= set(r.data.metrics)
+
+
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
     _config(repo, "experiment.iterations=4")
     it4 = repo / "runs" / "it4"
@@ -118,4 +167,10 @@ def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
     assert not list(it4.glob(".tmp-*"))
     summary = read_json(repo / "reports" / "summary.json")
     assert all(len(a["eval_accuracy"]) == 5 for a in summary["agents"].values())
+    assert _ran(_run(["dvc", "repro"], repo).stdout) == []
+
+    # the resumed artifacts are those an uninterrupted run of the stage produces
+    resumed = _outs(repo, "update-policies@it4")
+    _run(["dvc", "repro", "--force", "--single-item", "update-policies@it4"], repo)
+    assert _outs(repo, "update-policies@it4") == resumed
     assert _ran(_run(["dvc", "repro"], repo).stdout) == []

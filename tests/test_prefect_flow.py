@@ -191,6 +191,11 @@ def test_a_second_run_cannot_take_the_workspace(served):
     assert "another iterate run holds the workspace lock" in logs and "the test" in logs
     assert "iterations: 2" in (served / "params.yaml").read_text()  # nothing was planned or run
 
+    # naming an iteration that cannot run yet is a clear error, not a half-run
+    assert _iterate(served, "--param", "iteration=5", check=False).returncode != 0
+    logs = _logs(served, _flow_runs(served)[-1]["id"])
+    assert "iteration: invalid value 5 (only 2 configured and done; the next one is 3)" in logs
+
 
 def test_stop_ends_every_service(served):
     state = json.loads((served / ".services" / "services.json").read_text())

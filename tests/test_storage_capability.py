@@ -27,6 +27,21 @@ def test_clean_tmp_removes_debris_of_a_killed_writer(tmp_path):
     assert [p.name for p in (tmp_path / "runs" / "it1").iterdir()] == ["done.json"]
 
 
+def test_a_writer_killed_before_the_rename_leaves_only_debris(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from hacrl.storage import atomic_path\n"
+            f"with atomic_path({str(tmp_path / 'ckpt')!r}, is_dir=True) as tmp:\n"
+            "    (tmp / 'weights.bin').write_bytes(b'0' * 4096)\n")
+    env = {**os.environ, "HACRL_FAULT": "kill-before-rename:ckpt"}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -9
+    assert not (tmp_path / "ckpt").exists()
+    assert len(list(tmp_path.glob(".tmp-ckpt-*/weights.bin"))) == 1  # complete, but not under its name
+    assert clean_tmp(tmp_path) == 1 and not list(tmp_path.iterdir())
+
+
 def test_windowed_capability_and_omega_clamp():
     hist = [{"a": 0.1, "b": 0.5}, {"a": 0.3, "b": 0.5}, {"a": 0.5, "b": 0.5}]
     p = windowed_capability(hist, ["a", "b"], window=2)

@@ -130,6 +130,21 @@ def _prefect(project: Path, env: dict[str, str], *args: str) -> subprocess.Compl
     return p
 
 
+def _create_pools(env: dict[str, str], limits: dict[str, int | None]) -> None:
+    """Create (or reset) process-type work pools with their concurrency limits."""
+    for k in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED"):
+        os.environ[k] = env[k]  # read by Prefect's settings when the client is first built
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    template = ProcessWorker.get_default_base_job_template()
+    with get_client(sync_client=True) as client:
+        for name, limit in limits.items():
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template,
+                                                   concurrency_limit=limit), overwrite=True)
+
+
 def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_port: int = 5000,
           gpu_workers: int | None = None, mlflow_ui: bool = True) -> dict:
     """Start the services (see the module docstring); return their state (ports, process groups).
@@ -157,15 +172,14 @@ def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_por
         logs.mkdir(exist_ok=True)
         (logs / "services.json").write_text(json.dumps(state, indent=2))
 
+    t0 = time.time()
     try:
         pg = _start(project, "prefect-server", [_bin("prefect"), "server", "start", "--host", HOST,
                                                 "--port", str(prefect_port)], env)
         state["pgids"]["prefect-server"] = pg
         record()
         _wait_http(f"http://{HOST}:{prefect_port}/api/health", "Prefect server", pg, logs / "prefect-server.log")
-        _prefect(project, env, "work-pool", "create", "cpu", "--type", "process", "--overwrite")
-        _prefect(project, env, "work-pool", "create", "gpu", "--type", "process", "--overwrite")
-        _prefect(project, env, "work-pool", "set-concurrency-limit", "gpu", str(max(1, gpus)))
+        _create_pools(env, {"cpu": None, "gpu": max(1, gpus)})
         _prefect(project, env, "deploy", "--all")
         state["pgids"]["worker-cpu"] = _start(project, "worker-cpu", [_bin("prefect"), "worker", "start",
                                                                       "--pool", "cpu", "--type", "process"], env)
@@ -185,6 +199,7 @@ def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_por
     except BaseException:
         stop(project)
         raise
+    log.info("services up in %.1fs", time.time() - t0)
     lines = [f"export {k}={v}" for k, v in service_env(project, prefect_port, mlflow_port).items() if k != "PATH"]
     lines.append(f"export PATH={Path(sys.executable).parent}:$PATH")
     (project / ENV_FILE).write_text("# written by `make serve`; `source` it in a new shell\n" + "\n".join(lines) + "\n")

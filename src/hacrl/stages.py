@@ -17,7 +17,8 @@ from pathlib import Path
 
 from hacrl import data as task_data
 from hacrl.config import Config
-from hacrl.storage import RunLayout, atomic_path, read_json, read_parquet, write_json, write_parquet
+from hacrl.storage import (RunLayout, atomic_path, read_json, read_parquet, without_timings, write_json,
+                           write_parquet)
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def prepare_pool(cfg: Config) -> dict:
             (tmp / ac.name).mkdir()
             write_json(tmp / ac.name / "meta.json", {"updates": 0})
     write_json(lay.capability(0), {"iteration": 0, "steps": []})
-    write_json(lay.it(0) / "pool.json", records)
+    write_json(lay.it(0) / "pool.json", without_timings(records))
     return records
 
 
@@ -266,7 +267,7 @@ def update_policies(cfg: Config, t: int) -> dict:
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
             log.info("update %s: %s", ac.name, stats[ac.name])
-    write_json(lay.update_stats(t), stats)
+    write_json(lay.update_stats(t), without_timings(stats))
     return stats
 
 

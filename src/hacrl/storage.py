@@ -77,6 +77,20 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+TIMING_KEYS = frozenset({"seconds", "tokens_per_s"})
+"""Wall-clock figures: returned by stages (MLflow logs them) but kept out of versioned files, so
+that a rerun of a stage produces byte-identical artifacts."""
+
+
+def without_timings(obj: Any) -> Any:
+    """``obj`` with every key of :data:`TIMING_KEYS` removed, at any depth."""
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if k not in TIMING_KEYS}
+    if isinstance(obj, list):
+        return [without_timings(v) for v in obj]
+    return obj
+
+
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as f:
         return json.load(f)

@@ -1,0 +1,113 @@
+"""The orchestration helpers without Prefect: the workspace lock, one DVC stage at a time with
+its exit code, iteration planning errors, MLflow names and DVC hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from hacrl.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
+from hacrl.tracking import dvc_hash, flatten, sanitize
+
+
+def test_lock_refuses_a_second_holder_with_a_clear_message_and_is_released(tmp_path):
+    with workspace_lock(tmp_path, 0, holder="flow run A"):
+        t0 = time.monotonic()
+        with pytest.raises(LockBusy, match=r"another iterate run holds the workspace lock .*flow run A"):
+            with workspace_lock(tmp_path, 1.0, holder="flow run B"):
+                pass
+        assert time.monotonic() - t0 >= 1.0  # it waited for the configured time
+    with workspace_lock(tmp_path, 0, holder="flow run B"):  # released on exit
+        pass
+
+
+def test_lock_waits_for_the_holder_to_finish(tmp_path):
+    order = []
+
+    def first():
+        with workspace_lock(tmp_path, 0, holder="first"):
+            order.append("first in")
+            time.sleep(1.0)
+            order.append("first out")
+
+    th = threading.Thread(target=first)
+    th.start()
+    time.sleep(0.3)
+    with workspace_lock(tmp_path, 30, holder="second"):
+        order.append("second in")
+    th.join()
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_lock_of_a_killed_holder_is_free(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, signal
+        from hacrl.orchestration import workspace_lock
+        from pathlib import Path
+        with workspace_lock(Path({str(tmp_path)!r}), 0, holder="doomed"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = subprocess.run([sys.executable, "-c", code])
+    assert p.returncode == -9
+    with workspace_lock(tmp_path, 0):
+        pass
+
+
+@pytest.fixture()
+def dvc_repo(tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "ok.py").write_text("open('out.txt', 'w').write('x')\n")
+    (tmp_path / "bad.py").write_text("import sys\nprint('hacrl: error: trainer.lr bad')\nsys.exit(2)\n")
+    (tmp_path / "crash.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "dvc.yaml").write_text(textwrap.dedent(f"""
+        stages:
+          ok:
+            cmd: {sys.executable} ok.py
+            outs: [out.txt]
+          bad-config:
+            cmd: {sys.executable} bad.py
+            outs: [never.txt]
+          crash:
+            cmd: {sys.executable} crash.py
+            outs: [never2.txt]
+    """))
+    return tmp_path
+
+
+def test_run_dvc_stage_runs_once_then_skips_and_reports_exit_codes(dvc_repo):
+    lines = []
+    assert run_dvc_stage(dvc_repo, "ok", on_line=lines.append) is True
+    assert any("Running stage 'ok'" in ln for ln in lines)
+    assert run_dvc_stage(dvc_repo, "ok") is False  # up to date: DVC skips it
+    assert run_dvc_stage(dvc_repo, "ok", force=True) is True
+
+    with pytest.raises(StageFailed) as e:
+        run_dvc_stage(dvc_repo, "bad-config")
+    assert e.value.exit_code == 2 and not e.value.retryable
+    assert "trainer.lr bad" in str(e.value) and "bad-config" in str(e.value)
+    with pytest.raises(StageFailed) as e:
+        run_dvc_stage(dvc_repo, "crash")
+    assert e.value.exit_code == 1 and e.value.retryable and "boom" in str(e.value)
+
+
+def test_metric_names_are_sanitised_and_config_is_flattened():
+    assert sanitize("eval@it3 (greedy)") == "eval_it3 _greedy_"
+    flat = flatten({"a": {"b": 1, "c": [1, 2]}, "agents": [{"name": "x"}, {"name": "y"}]})
+    assert flat == {"a.b": "1", "a.c": "[1, 2]", "agents.0.name": "x", "agents.1.name": "y"}
+
+
+def test_dvc_hash_of_a_file_is_its_md5_and_of_a_folder_is_what_dvc_records(dvc_repo):
+    (dvc_repo / "d" / "sub").mkdir(parents=True)
+    (dvc_repo / "d" / "a.txt").write_text("alpha")
+    (dvc_repo / "d" / "sub" / "b.bin").write_bytes(bytes(range(256)))
+    assert dvc_hash(dvc_repo / "d" / "a.txt") == hashlib.md5(b"alpha").hexdigest()
+    subprocess.run([sys.executable, "-m", "dvc", "add", "-q", "d"], cwd=dvc_repo, check=True)
+    recorded = (dvc_repo / "d.dvc").read_text()
+    assert f"md5: {dvc_hash(dvc_repo / 'd')}" in recorded, recorded
