@@ -24,7 +24,7 @@ STAGES = ["generate-rollouts", "verify-rewards", "exchange-and-align", "compute-
 
 
 def _env():
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # lineage goes to the repo
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["HACRL_LOG_LEVEL"] = "WARNING"
     return env

@@ -111,3 +111,16 @@ def test_dvc_hash_of_a_file_is_its_md5_and_of_a_folder_is_what_dvc_records(dvc_r
     subprocess.run([sys.executable, "-m", "dvc", "add", "-q", "d"], cwd=dvc_repo, check=True)
     recorded = (dvc_repo / "d.dvc").read_text()
     assert f"md5: {dvc_hash(dvc_repo / 'd')}" in recorded, recorded
+
+
+def test_prefect_retries_only_failures_that_a_retry_can_fix(root, monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.syspath_prepend(str(root))
+    from prefect.states import Failed
+
+    from tasks.stages import _retryable
+
+    assert _retryable(None, None, Failed(data=StageFailed("s@it1", 2, "config error"))) is False
+    assert _retryable(None, None, Failed(data=StageFailed("s@it1", 3, "non-finite loss"))) is False
+    assert _retryable(None, None, Failed(data=StageFailed("s@it1", 1, "crash"))) is True
+    assert _retryable(None, None, Failed(data=StageFailed("s@it1", -9, "killed"))) is True
