@@ -109,3 +109,36 @@ def test_update_and_evaluate_finish_the_iteration(pipeline):
     assert set(m["agents"]) == {a.name for a in cfg.agents}
     hist = read_json(lay.history(1))
     assert [h["iteration"] for h in hist["iterations"]] == [0, 1]
+
+
+@pytest.mark.parametrize("algo", ["hacpo", "naive_share"])
+def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path, algo):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    cfg, _ = pipeline
+    shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
+    cfg_s = smoke_config(tmp_path, [f"algorithm={algo}"])
+    lay = RunLayout(cfg_s.experiment.runs_dir)
+    ex = stages.exchange_and_align(cfg_s, 1)
+    a, b = cfg_s.agents
+    inp = pd.read_parquet(lay.exchange(1) / f"learner-{a.name}.parquet")
+    assert ex[a.name]["cross"] == (~inp["is_self"]).sum() == 64 and inp["is_self"].sum() == 64
+    assert inp["is_self"].iloc[:64].all()  # the learner's own records first
+    assert ex[a.name]["retokenize_mismatch"] == 0.0
+    tok = AutoTokenizer.from_pretrained(lay.checkpoint(0, a.name))
+    peer = inp[~inp["is_self"]].iloc[0]
+    assert peer["producer"] == b.name and peer["learner"] == a.name
+    assert list(peer["input_prompt_ids"]) == tok(a.template.replace("{problem}", peer["problem"]),
+                                                 add_special_tokens=False)["input_ids"]
+    assert tok.decode(peer["input_response_ids"], skip_special_tokens=True) == peer["response_text"]
+    stages.compute_capability_stats(cfg_s, 1)
+    stats = stages.update_policies(cfg_s, 1)[a.name]
+    assert stats["cross_samples"] == 64 and stats["updates"] == 2
+    if algo == "hacpo":
+        # self_first: mini-batch 0 holds the 64 self samples (ratio exactly 1), mini-batch 1 the cross
+        assert stats["first_ratio_mean"] == 1.0
+        assert stats["cross_lower_bounds"] == pytest.approx([0.8, 0.825])
+        assert 0 < stats["cross_ratio_min"] <= stats["cross_ratio_mean"] <= stats["cross_ratio_max"]
+        assert stats["cross_share"] == pytest.approx(0.5)

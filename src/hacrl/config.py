@@ -104,7 +104,7 @@ class AgentConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    """Registered algorithm: grpo, gspo (issues 4-5 add hacpo, gspo_x2, naive_share, ...)."""
+    """Registered algorithm: grpo, gspo, gspo_x2, naive_share, hacpo (``hacrl.algorithms.ALGORITHMS``)."""
     advantage: str = "grpo"
     """Registered advantage estimator."""
     loss: str = "grpo"
@@ -125,6 +125,31 @@ class AlgorithmConfig:
     """Clamp of the capability ratio omega (HACPO §1.1)."""
     omega_warmup_steps: int = 0
     """Steps during which omega is fixed to 1 (reference code option)."""
+    minibatch_order: str = "prompt_groups"
+    """``prompt_groups``: mini-batches of whole prompt groups in seeded order; ``self_first``:
+    the learner's own samples first, then cross samples, no shuffle (HACPO reference, §1.5)."""
+    # --- HACPO (§1); each switch turns one mechanism off alone for the ablations
+    capability_advantage: bool = True
+    """§1.2 capability-weighted baseline; False: plain pooled mean (``-adv``)."""
+    discrepancy_coef: bool = True
+    """§1.3 cross samples times omega[source, learner]; False: ``-omega``."""
+    alpha: float = 1.0
+    """§1.4 exponential IS exponent (paper 1 or 3); 0: ``-expIS``."""
+    cross_clip: bool = True
+    """§1.5 clip cross ratios to [lower_m, 1]; False: ``-clip``."""
+    cross_clip_delta: float = 0.2
+    """§1.5 lower bound 1 - delta at the first mini-batch."""
+    cross_clip_delta_step: float = 0.025
+    """§1.5 raise of the lower bound per mini-batch; 0: ``-stepwise``."""
+    log_ratio_clamp: float = 10.0
+    """§1.4 clamp of the cross log-ratio."""
+    sg_on: str = "clipped"
+    """§3 open choice: stop-gradient factor on the ``clipped`` (reference) or ``raw`` ratio."""
+    cross_advantage: str = "learner"
+    """§3 open choice: cross samples use the ``learner``'s advantage A^(k) (reference) or the
+    ``source``'s own group advantage A^(j)."""
+    aggregation: str = "pooled_mean"
+    """§3 open choice: one mean over pooled samples (reference) or ``split`` = J_homo + J_hete."""
 
 
 @dataclass
@@ -272,6 +297,17 @@ def validate(cfg: Config) -> Config:
     _check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     _check(isinstance(a.sample_multiplier, int) and a.sample_multiplier >= 1,
            "algorithm.sample_multiplier", a.sample_multiplier, "must be an integer >= 1")
+    _check(a.minibatch_order in ("prompt_groups", "self_first"), "algorithm.minibatch_order",
+           a.minibatch_order, "prompt_groups or self_first")
+    _check(a.alpha >= 0, "algorithm.alpha", a.alpha, "must be >= 0")
+    _check(0 <= a.cross_clip_delta <= 1, "algorithm.cross_clip_delta", a.cross_clip_delta, "must be in [0, 1]")
+    _check(a.cross_clip_delta_step >= 0, "algorithm.cross_clip_delta_step", a.cross_clip_delta_step, "must be >= 0")
+    _check(a.sg_on in ("clipped", "raw"), "algorithm.sg_on", a.sg_on, "clipped or raw")
+    _check(a.cross_advantage in ("learner", "source"), "algorithm.cross_advantage", a.cross_advantage,
+           "learner or source")
+    _check(a.aggregation in ("pooled_mean", "split"), "algorithm.aggregation", a.aggregation, "pooled_mean or split")
+    if algorithms.ALGORITHMS[a.name].subscribe == "all":
+        _check(len(cfg.agents) >= 2, "algorithm.name", a.name, "sharing needs at least 2 agents")
     r = cfg.rollout
     _check(r.engine in ("hf",), "rollout.engine", r.engine, "known engines: hf")
     _check(isinstance(r.group_size, int) and r.group_size >= 2, "rollout.group_size",

@@ -224,9 +224,22 @@ def exchange_and_align(cfg: Config, t: int) -> dict:
     with atomic_path(lay.exchange(t), is_dir=True) as tmp:
         write_parquet(tmp / "experience.parquet", stream)
         for a in cfg.agents:
-            inp = subscribe(stream, a.name, mode)
+            tok = None
+            if mode != "self":  # peers' responses are retokenised with the learner's tokenizer
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(a.tokenizer.path or lay.checkpoint(t - 1, a.name))
+            inp = subscribe(stream, a.name, mode, tok, a.template)
             write_parquet(tmp / f"learner-{a.name}.parquet", inp)
-            stats[a.name] = {"samples": len(inp), "cross": int((~inp["is_self"]).sum())}
+            cross = ~inp["is_self"]
+            n_peer = int((stream["producer"] != a.name).sum()) if mode != "self" else 0
+            stats[a.name] = {"samples": len(inp), "cross": int(cross.sum()),
+                             "cross_dropped_empty": n_peer - int(cross.sum()),
+                             "retokenize_mismatch": float((~inp.loc[cross, "retokenized_exact"]).mean())
+                             if cross.any() else 0.0}
+            if stats[a.name]["retokenize_mismatch"] > 0:
+                log.warning("learner %s: %.1f%% of peer responses do not survive decode(encode(text))",
+                            a.name, 100 * stats[a.name]["retokenize_mismatch"])
     return stats
 
 
@@ -251,6 +264,7 @@ def update_policies(cfg: Config, t: int) -> dict:
 
     _set_threads(cfg)
     lay = _layout(cfg)
+    capability = read_json(lay.capability(t))
     stats = {}
     with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
             atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
@@ -263,7 +277,7 @@ def update_policies(cfg: Config, t: int) -> dict:
             stats[ac.name] = train_learner(
                 agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, ac.name),
                 prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
-                ref_model=ref)
+                ref_model=ref, omega=capability["omega"])
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
             log.info("update %s: %s", ac.name, stats[ac.name])

@@ -109,7 +109,9 @@ def _numbers(d: dict, keys: tuple[str, ...] | None = None) -> dict[str, float]:
 
 # the per-agent figures each stage contributes to the agent's run of the iteration
 _UPDATE_KEYS = ("loss", "grad_norm", "entropy", "kl_to_init", "clip_frac", "ratio_mean", "reward_mean",
-                "adv_abs_mean", "gen_vs_train_logprob_maxdiff", "tokens_per_s", "seconds", "updates")
+                "adv_abs_mean", "gen_vs_train_logprob_maxdiff", "tokens_per_s", "seconds", "updates",
+                "cross_samples", "cross_share", "cross_ratio_mean", "cross_ratio_min", "cross_ratio_max",
+                "cross_clipped_below", "cross_clipped_above")
 
 
 class Tracker:
@@ -293,6 +295,9 @@ class Tracker:
     def _on_update_policies(self, parent, run_id, t, result) -> None:
         self._per_agent(parent, run_id, t, {a: _numbers(r, _UPDATE_KEYS) for a, r in self._agents(result).items()},
                         "train_")
+        for a, r in self._agents(result).items():  # HACPO: the cross-clip lower bound per mini-batch
+            for m, lower in enumerate(r.get("cross_lower_bounds", [])):
+                self._metrics(self.agent_run(parent, t, a), {"train_cross_lower_bound": lower}, m)
         ex = self.layout.exchange(t)
         self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts")
                      + self._shards(self.layout.rewards(t), "rewards")

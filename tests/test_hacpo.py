@@ -1,0 +1,183 @@
+"""HACPO's formulas (ALGORITHMS.md §1) on hand-computed tensors, and the unbiasedness of the
+capability-aware baseline by Monte Carlo."""
+
+import math
+
+import pytest
+import torch
+
+from hacrl.algorithms import (ADVANTAGES, POLICY_LOSSES, HacpoLossConfig, capability_baseline,
+                              stepwise_lower_bound)
+from hacrl.capability import omega_matrix, update_history, windowed_capability
+
+OMEGA = torch.tensor([[1.0, 0.5], [2.0, 1.0]])  # agent 0 has half agent 1's capability
+
+
+def test_capability_window_and_clamps():
+    hist = [{"a": 0.1, "b": 0.9}, {"a": 0.2, "b": 0.8}, {"a": 0.3, "b": 0.7}]
+    assert windowed_capability(hist, ["a", "b"], 2) == pytest.approx({"a": 0.25, "b": 0.75})
+    assert windowed_capability(hist, ["a", "b"], 5) == pytest.approx({"a": 0.2, "b": 0.8})
+    om = omega_matrix({"a": 0.01, "b": 0.9}, 0.1, 10.0)
+    assert om["a"]["b"] == 0.1 and om["b"]["a"] == 10.0 and om["a"]["a"] == 1.0
+    assert omega_matrix({"a": 0.01, "b": 0.9}, 0.1, 10.0, warmup=True)["b"]["a"] == 1.0
+    assert windowed_capability([{"a": 0.0}], ["a"], 5)["a"] > 0  # floored: ratios never divide by 0
+    # warm-up steps: omega is 1 for the first W steps, then the ratio
+    import pandas as pd
+
+    rw = {"a": pd.DataFrame({"prompt_id": ["p", "p"], "reward": [1.0, 0.0]}),
+          "b": pd.DataFrame({"prompt_id": ["p", "p"], "reward": [1.0, 1.0]})}
+    d1 = update_history({"steps": []}, 1, rw, 5, 0.1, 10.0, warmup_steps=1)
+    assert d1["omega"]["b"]["a"] == 1.0
+    d2 = update_history(d1, 2, rw, 5, 0.1, 10.0, warmup_steps=1)
+    assert d2["omega"]["b"]["a"] == pytest.approx(2.0)
+
+
+def test_baseline_weights_sources_by_learner_over_source_capability():
+    # one prompt, learner 0 (weak); 2 own samples, 2 from the strong agent 1
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    g = torch.zeros(4, dtype=torch.long)
+    src = torch.tensor([0, 0, 1, 1])
+    mu = capability_baseline(r, g, src, 0, OMEGA)
+    assert mu[0].item() == pytest.approx((1 + 0 + 0.5 + 0.5) / 4)  # strong successes count half
+    mu_plain = capability_baseline(r, g, src, 0, OMEGA, use_capability=False)
+    assert mu_plain[0].item() == pytest.approx(0.75)  # the -adv ablation: plain pooled mean
+
+
+def test_baseline_guards():
+    g = torch.zeros(4, dtype=torch.long)
+    src = torch.tensor([0, 0, 1, 1])
+    # all rewards equal -> their plain mean (advantage 0), not the weighted one (2 * 1 = 2 here)
+    ones = torch.ones(4)
+    assert capability_baseline(ones, g, src, 1, OMEGA)[0].item() == 1.0
+    # weighted mean above 1 -> the learner's own mean. learner 1 (strong) weights agent 0 by 2:
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert capability_baseline(r, g, src, 1, OMEGA, guards=False)[0].item() == pytest.approx(5 / 4)
+    assert capability_baseline(r, g, src, 1, OMEGA)[0].item() == pytest.approx(0.5)
+
+
+def test_advantage_uses_std_of_the_raw_pooled_rewards():
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    g = torch.zeros(4, dtype=torch.long)
+    src = torch.tensor([0, 0, 1, 1])
+    adv = ADVANTAGES["hacpo"](r, g, 1e-6, source_ids=src, learner=0, omega=OMEGA)
+    std = torch.tensor([1.0, 0.0, 1.0, 1.0]).std(unbiased=True).item()  # raw, unweighted
+    mu = 0.5
+    assert adv.tolist() == pytest.approx([(x - mu) / (std + 1e-6) for x in r.tolist()], rel=1e-5)
+    # cross samples use the learner's baseline: the same reward gets the same advantage
+    assert adv[0].item() == pytest.approx(adv[2].item())
+
+
+def _loss(new, old, adv, is_self, om, m=0, **kw):
+    cfg = HacpoLossConfig(**kw)
+    return POLICY_LOSSES["hacpo"](new, old, adv, is_self, om, m, cfg)
+
+
+def test_discrepancy_coefficient_amplifies_stronger_sources():
+    # two identical cross samples (ratio 0.9 inside [0.8, 1]); one from a stronger source
+    # (omega[j, k] = 2), one from a weaker (0.5): the gradient on the stronger one is 4x
+    new = torch.tensor([math.log(0.9), math.log(0.9)], requires_grad=True)
+    old = torch.zeros(2)
+    loss, _ = _loss(new, old, torch.tensor([1.0, 1.0]), torch.tensor([False, False]), torch.tensor([2.0, 0.5]),
+                    alpha=0.0)
+    loss.backward()
+    assert new.grad[0].item() == pytest.approx(4 * new.grad[1].item())
+    assert new.grad[0].item() < 0  # positive advantage: raising its likelihood lowers the loss
+    new.grad = None
+    loss, _ = _loss(new, old, torch.tensor([1.0, 1.0]), torch.tensor([False, False]), torch.tensor([2.0, 0.5]),
+                    alpha=0.0, use_omega=False)
+    loss.backward()
+    assert new.grad[0].item() == pytest.approx(new.grad[1].item())  # -omega ablation
+
+
+def test_cross_ratio_with_different_token_counts_on_the_two_sides():
+    # the learner saw the response as 4 tokens, the source as 2: each side is its own mean
+    learner_lp = torch.tensor([[-0.1, -0.2, -0.3, -0.4]])
+    source_lp = torch.tensor([[-0.05, -0.45]])
+    from hacrl.algorithms import masked_mean
+
+    new = masked_mean(learner_lp, torch.ones(1, 4), dim=1)  # -0.25
+    old = masked_mean(source_lp, torch.ones(1, 2), dim=1)  # -0.25
+    _, met = _loss(new, old, torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]))
+    assert met["cross_ratio_mean"] == pytest.approx(1.0)
+    _, met = _loss(new - 0.1, old, torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]))
+    assert met["cross_ratio_mean"] == pytest.approx(math.exp(-0.1))
+    # the log-ratio is clamped to +-10
+    _, met = _loss(torch.tensor([-50.0]), torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([False]),
+                   torch.tensor([1.0]), use_cross_clip=False)
+    assert met["cross_ratio_mean"] == pytest.approx(math.exp(-10))
+
+
+def test_alpha_scales_the_cross_term_by_the_detached_ratio():
+    s = 0.9
+    for alpha in (0.0, 1.0, 3.0):
+        new = torch.tensor([math.log(s)], requires_grad=True)
+        loss, _ = _loss(new, torch.zeros(1), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]),
+                        alpha=alpha)
+        assert loss.item() == pytest.approx(-(s * s ** alpha))
+        loss.backward()
+        # d/dlog s of -(s * sg[s]^alpha) = -s * s^alpha: the detached factor is not differentiated
+        assert new.grad.item() == pytest.approx(-(s ** (1 + alpha)))
+
+
+def test_zero_gradient_outside_the_cross_clip_range():
+    for s in (0.5, 1.3):  # below lower = 0.8, above 1
+        new = torch.tensor([math.log(s)], requires_grad=True)
+        loss, met = _loss(new, torch.zeros(1), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]))
+        loss.backward()
+        assert new.grad.item() == 0.0
+        assert (met["cross_clipped_below"], met["cross_clipped_above"]) == ((1.0, 0.0) if s < 1 else (0.0, 1.0))
+    new = torch.tensor([math.log(0.5)], requires_grad=True)
+    loss, _ = _loss(new, torch.zeros(1), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]),
+                    use_cross_clip=False)
+    loss.backward()
+    assert new.grad.item() != 0.0  # -clip ablation: gradient flows
+
+
+def test_stepwise_lower_bound_per_minibatch():
+    assert [stepwise_lower_bound(m, 0.2, 0.025) for m in range(4)] == pytest.approx([0.8, 0.825, 0.85, 0.875])
+    assert stepwise_lower_bound(100, 0.2, 0.025) == 1.0
+    assert stepwise_lower_bound(3, 0.2, 0.0) == 0.8  # -stepwise ablation
+    # a ratio of 0.81 trains at m = 0 and is clipped (no gradient) at m = 1
+    for m, flows in ((0, True), (1, False)):
+        new = torch.tensor([math.log(0.81)], requires_grad=True)
+        loss, met = _loss(new, torch.zeros(1), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]), m=m)
+        loss.backward()
+        assert (new.grad.item() != 0.0) == flows and met["cross_lower_bound"] == pytest.approx(0.8 + 0.025 * m)
+
+
+def test_self_samples_give_exactly_the_gspo_loss():
+    torch.manual_seed(0)
+    logp = torch.randn(6, 5) * 0.1 - 1
+    old = logp + torch.randn(6, 5) * 1e-3
+    mask = torch.ones(6, 5)
+    mask[2, 3:] = 0
+    adv = torch.randn(6)
+    gspo, _ = POLICY_LOSSES["gspo"](logp, old, adv, mask, 3e-4, 4e-4)
+    from hacrl.algorithms import masked_mean
+
+    hacpo, _ = _loss(masked_mean(logp, mask, dim=1), masked_mean(old, mask, dim=1), adv,
+                     torch.ones(6, dtype=torch.bool), torch.ones(6))
+    assert hacpo.item() == pytest.approx(gspo.item(), abs=1e-7)
+
+
+def test_capability_aware_baseline_is_unbiased_for_the_learners_expected_reward():
+    """Synthetic agents with success rates p, omega from the true rates: E[mu^(k)] = p_k.
+
+    Without the guards, mu^(k) = (1/nG) sum_j sum_i (p_k/p_j) R_ji has expectation
+    (1/n) sum_j (p_k/p_j) p_j = p_k. Tolerance: 5 Monte Carlo standard errors of the mean over
+    the prompts (false alarm probability below 1e-6).
+    """
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.15, 0.4, 0.7])
+    n, G, prompts = 3, 8, 20000
+    omega = p[:, None] / p[None, :]
+    src = torch.arange(n).repeat_interleave(G).repeat(prompts)
+    g = torch.arange(prompts).repeat_interleave(n * G)
+    r = (torch.rand(len(src), generator=gen) < p[src]).float()
+    for k in range(n):
+        mu = capability_baseline(r, g, src, k, omega, guards=False).view(prompts, n * G)[:, 0]
+        se = mu.std(unbiased=True).item() / math.sqrt(prompts)
+        assert abs(mu.mean().item() - p[k].item()) < 5 * se, (k, mu.mean().item(), p[k].item(), se)
+    # the plain pooled mean is biased towards the pool's mean for the weak and the strong agent
+    plain = capability_baseline(r, g, src, 0, omega, use_capability=False, guards=False).view(prompts, -1)[:, 0]
+    assert plain.mean().item() - p[0].item() > 0.2
