@@ -64,8 +64,10 @@ def direct(cfg: config_mod.Config, t: int) -> dict[str, float]:
 def dvc_stages(t: int) -> float:
     t0 = time.time()
     for s in ITERATION_STAGES:
-        subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", stage_id(s, t)],
-                       cwd=PROJECT, env=_env(), check=True, capture_output=True)
+        p = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", stage_id(s, t)],
+                           cwd=PROJECT, env=_env(), capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{stage_id(s, t)} failed:\n{(p.stdout + p.stderr)[-3000:]}")
     return time.time() - t0
 
 
@@ -96,8 +98,10 @@ def main() -> int:
     try:
         d = direct(config_mod.load(PROJECT / "params.yaml"), t)
         t0 = time.time()
-        subprocess.run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1"],
-                       cwd=PROJECT, env=_env(), check=True, capture_output=True)
+        p = subprocess.run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1"],
+                           cwd=PROJECT, env=_env(), capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"the iterate flow run failed:\n{(p.stdout + p.stderr)[-3000:]}")
         prefect_wall = time.time() - t0
         report_s = _mlflow_stage_seconds(cfg, t)
         dvc_mlflow = dvc_stages(t)

@@ -99,6 +99,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hacrl.compare import run_suite
+
+    contenders = args.contenders.split(",") if args.contenders else None
+    out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders)
+    print(f"report: {out / 'README.md'}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from hacrl.services import ENV_FILE, ServiceError, serve
 
@@ -142,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
     r.add_argument("--params", default=None)
     r.set_defaults(fn=cmd_run)
+    cp = sub.add_parser("compare", help="run a comparison suite (e.g. hacpo) and write reports/<suite>/")
+    cp.add_argument("--suite", default="hacpo")
+    cp.add_argument("--seeds", type=int, default=3)
+    cp.add_argument("--contenders", default=None, help="comma-separated subset (default: the whole suite)")
+    cp.add_argument("--work-dir", default="compare", help="scratch directory (pool, per-run state)")
+    cp.add_argument("--reports-dir", default="reports")
+    cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
+    cp.set_defaults(fn=cmd_compare)
     sv = sub.add_parser("serve", help="start Prefect (server, pools, deployments, workers) and the MLflow UI")
     sv.add_argument("--project", default=".")
     sv.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)),
