@@ -97,8 +97,11 @@ def main() -> int:
         started = True
     try:
         d = direct(config_mod.load(PROJECT / "params.yaml"), t)
+        # force: DVC would otherwise restore iteration t's outputs from an identical earlier run
+        # (its run cache, or dvc.lock entries of a longer experiment) instead of running the stages
         t0 = time.time()
-        p = subprocess.run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1"],
+        p = subprocess.run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
+                            "--param", f"iteration={t}", "--param", "force=true"],
                            cwd=PROJECT, env=_env(), capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"the iterate flow run failed:\n{(p.stdout + p.stderr)[-3000:]}")

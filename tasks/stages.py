@@ -26,13 +26,14 @@ def _retryable(task, task_run, state) -> bool:
 
 @task(name="dvc-stage", tags=["hacrl"], retry_condition_fn=_retryable)
 def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
-    """Run one DVC stage (``name@itT``); return ``ran`` or ``up-to-date``."""
+    """Run one DVC stage (``name@itT``); return ``ran``, ``restored`` or ``up-to-date``."""
     logger = get_run_logger()
     flow_run_id = runtime.flow_run.root_flow_run_id or runtime.flow_run.id or ""
-    ran = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
-                        on_line=logger.info)
-    logger.info("%s: %s", stage, "ran" if ran else "up to date (DVC), skipped")
-    return "ran" if ran else "up-to-date"
+    status = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
+                           on_line=logger.info)
+    logger.info("%s: %s", stage, {"ran": "ran", "restored": "restored from DVC's run cache",
+                                  "up-to-date": "up to date (DVC), skipped"}[status])
+    return status
 
 
 def gpu_pool_has_workers(pool: str) -> bool:

@@ -70,6 +70,7 @@ def dvc_repo(tmp_path):
         stages:
           ok:
             cmd: {sys.executable} ok.py
+            deps: [ok.py]
             outs: [out.txt]
           bad-config:
             cmd: {sys.executable} bad.py
@@ -83,10 +84,12 @@ def dvc_repo(tmp_path):
 
 def test_run_dvc_stage_runs_once_then_skips_and_reports_exit_codes(dvc_repo):
     lines = []
-    assert run_dvc_stage(dvc_repo, "ok", on_line=lines.append) is True
+    assert run_dvc_stage(dvc_repo, "ok", on_line=lines.append) == "ran"
     assert any("Running stage 'ok'" in ln for ln in lines)
-    assert run_dvc_stage(dvc_repo, "ok") is False  # up to date: DVC skips it
-    assert run_dvc_stage(dvc_repo, "ok", force=True) is True
+    assert run_dvc_stage(dvc_repo, "ok") == "up-to-date"  # DVC skips it
+    assert run_dvc_stage(dvc_repo, "ok", force=True) == "ran"
+    (dvc_repo / "out.txt").unlink()
+    assert run_dvc_stage(dvc_repo, "ok") == "restored"  # an identical run is in DVC's run cache
 
     with pytest.raises(StageFailed) as e:
         run_dvc_stage(dvc_repo, "bad-config")

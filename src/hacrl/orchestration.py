@@ -176,8 +176,9 @@ def workspace_lock(project: Path, timeout_s: float, holder: str = "") -> Iterato
 
 
 def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str, str] | None = None,
-                  on_line: Callable[[str], None] | None = None) -> bool:
-    """``dvc repro --single-item STAGE``; returns whether the stage ran (False: up to date).
+                  on_line: Callable[[str], None] | None = None) -> str:
+    """``dvc repro --single-item STAGE``; returns ``ran``, ``restored`` (DVC's run cache had
+    the outputs of an identical earlier run) or ``up-to-date``.
 
     Output lines go to ``on_line`` as they come; on failure :class:`StageFailed` carries the
     stage's exit code (parsed from DVC's message) and the last lines.
@@ -200,4 +201,6 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
         errors = [ln for ln in lines if "error" in ln.lower() or "Error" in ln]
         tail = "\n".join((errors[-5:] if errors else []) + lines[-15:])
         raise StageFailed(stage, code, tail)
-    return f"Running stage '{stage}'" in text
+    if f"Running stage '{stage}'" in text:
+        return "ran"
+    return "restored" if f"Stage '{stage}' is cached" in text else "up-to-date"

@@ -36,12 +36,19 @@ def init_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        # a single local rank: always a fresh port on 127.0.0.1. A MASTER_PORT inherited from a
+        # parent that ran an update itself (a service started from it, say) may still be taken.
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     import deepspeed
 
+    if os.environ["WORLD_SIZE"] == "1" and not torch.cuda.is_available():
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (35-45 s of C++,
+        # redone whenever its build flags differ between processes); one rank never reduces
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
                                verbose=False)
 
