@@ -40,7 +40,7 @@ HACPO_ABLATIONS = {
 SUITES: dict[str, dict] = {
     "hacpo": {
         # the paper's step shape (128 prompts, 8 samples per agent, mini-batches of 64 prompts)
-        "base": ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "experiment.iterations=8"],
+        "base": ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "experiment.iterations=6"],
         "contenders": {
             "grpo": ["algorithm=grpo"],
             "gspo": ["algorithm=gspo"],
