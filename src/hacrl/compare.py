@@ -12,6 +12,7 @@ says which of the paper's findings reproduce here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -53,17 +54,6 @@ SUITES: dict[str, dict] = {
 }
 
 
-def _chdir(path: Path):
-    class _Cd:
-        def __enter__(self):
-            self.old = os.getcwd()
-            os.chdir(path)
-
-        def __exit__(self, *exc):
-            os.chdir(self.old)
-    return _Cd()
-
-
 def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> config_mod.Config:
     data = config_mod.compose(overrides)
     data["experiment"]["runs_dir"] = str(runs_dir)
@@ -83,7 +73,7 @@ def prepare_base(base_overrides: list[str], out: Path) -> config_mod.Config:
         return cfg
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    with _chdir(base):
+    with contextlib.chdir(base):
         t0 = time.time()
         stages.prepare_data(cfg)
         stages.prepare_pool(cfg)
@@ -100,7 +90,7 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
     cfg = _cfg(overrides + [f"experiment.seed={seed}"], run_dir / "runs", run_dir / "reports")
     shutil.copytree(base / "runs" / "it0", run_dir / "runs" / "it0")
     t0 = time.time()
-    with _chdir(base):  # data/tasks of the base
+    with contextlib.chdir(base):  # data/tasks of the base
         timings = stages.run_in_process(cfg, prepare=False)
     history = read_json(RunLayout(cfg.experiment.runs_dir).history(cfg.experiment.iterations))
     agents = [a.name for a in cfg.agents]
