@@ -59,3 +59,18 @@ def make_agent(arch: str, kind: str, tiny_problems, name: str | None = None):
     tok = train_tokenizer(ac.tokenizer, corpus)
     torch.manual_seed(0)
     return ac, Agent(ac.name, tok, build_model(ac, tok), ac.template)
+
+
+def dvc_workspace(dest: Path, items: tuple[str, ...]) -> Path:
+    """A copy of the project's ``items`` in ``dest``, made a git + DVC repo (analytics off)."""
+    import shutil
+    import subprocess
+
+    dest.mkdir(parents=True)
+    for item in items:
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dest / item)
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"],
+                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
+        subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
+    return dest

@@ -4,7 +4,6 @@ iteration, and a kill -9 in the middle of a stage followed by a resume at that s
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE
+from conftest import SMOKE, dvc_workspace
 
 from hacrl.storage import read_json
 
@@ -42,16 +41,8 @@ def _ran(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory, root):
-    repo = tmp_path_factory.mktemp("e2e") / "repo"
-    repo.mkdir()
-    for item in ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"):
-        src = root / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / item)
-    _run(["git", "init", "-q"], repo)
-    _run(["dvc", "init", "-q"], repo)
-    _run(["dvc", "config", "core.analytics", "false"], repo)
-    return repo
+def repo(tmp_path_factory):
+    return dvc_workspace(tmp_path_factory.mktemp("e2e") / "repo", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
 
 
 def _config(repo, *extra):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE
+from conftest import SMOKE, dvc_workspace
 
 from hacrl.orchestration import ITERATION_STAGES, workspace_lock
 
@@ -85,15 +84,9 @@ def _ran(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, root):
-    repo = tmp_path_factory.mktemp("prefect") / "repo"
-    repo.mkdir()
-    for item in ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignore", ".dvcignore"):
-        src = root / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, repo / item)
-    _run(["git", "init", "-q"], repo)
-    _run(["dvc", "init", "-q"], repo)
-    _run(["dvc", "config", "core.analytics", "false"], repo)
+def served(tmp_path_factory):
+    repo = dvc_workspace(tmp_path_factory.mktemp("prefect") / "repo",
+                         ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignore", ".dvcignore"))
     _run([sys.executable, "-m", "hacrl.cli", "config", *CONFIG], repo)
     # one stand-in worker on the gpu pool (see the module docstring)
     _run(["hacrl", "serve", "--project", str(repo), "--prefect-port", "0", "--mlflow-port", "0",

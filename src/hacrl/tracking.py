@@ -128,6 +128,7 @@ class Tracker:
         self.experiment_id = self._experiment()
         self.commit = git_commit(self.project)
         self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "")
+        self._agent_runs: dict[tuple[str, str], str] = {}  # one search per agent, not per metric
 
     # ------------------------------------------------------------------ runs
     def _experiment(self) -> str:
@@ -192,6 +193,12 @@ class Tracker:
 
     def agent_run(self, parent: str, t: int, agent: str) -> str:
         """The nested run of ``agent`` under iteration run ``parent`` (created once)."""
+        key = (parent, agent)
+        if key not in self._agent_runs:
+            self._agent_runs[key] = self._find_or_create_agent_run(parent, t, agent)
+        return self._agent_runs[key]
+
+    def _find_or_create_agent_run(self, parent: str, t: int, agent: str) -> str:
         found = self.client.search_runs(
             [self.experiment_id],
             filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`hacrl.agent` = '{agent}'",
