@@ -20,14 +20,18 @@ def test_iterations_table_has_explicit_prev():
 def test_overrides_reach_the_typed_config():
     data = config.compose(["algorithm=gspo", "rollout.group_size=4", "experiment.iterations=3"])
     cfg = config.from_dict(data)
-    assert cfg.algorithm.name == "gspo" and cfg.algorithm.loss == "gspo"
+    assert cfg.algorithm.name == "gspo" and cfg.algorithm.loss.name == "gspo"
+    assert (cfg.algorithm.loss.clip_low, cfg.algorithm.loss.clip_high) == (3e-4, 4e-4)  # the registered defaults
     assert cfg.rollout.group_size == 4 and list(data["iterations"]) == ["it1", "it2", "it3"]
     assert len(cfg.agents) == 3 and len({a.arch for a in cfg.agents}) == 3
 
 
 @pytest.mark.parametrize("override, key, value", [
     ("algorithm=foo", "algorithm", "foo"),
-    ("algorithm.name=foo", "algorithm.name", "foo"),
+    ("algorithm.loss.name=foo", "algorithm.loss.name", "foo"),
+    ("+algorithm.loss.alhpa=3", "algorithm.loss.alhpa", "3"),
+    ("algorithm.loss.clip_low=-1", "algorithm.loss.clip_low", "-1"),
+    ("algorithm.subscription.0.record_type=rollout", "algorithm.subscription[0].record_type", "rollout"),
     ("rollout.group_size=1", "rollout.group_size", "1"),
     ("agents.pool.0.path=/no/such/model", "agents[0].path", "/no/such/model"),
     ("agents.pool.1.tokenizer.kind=sentencepiece", "agents[1].tokenizer.kind", "sentencepiece"),
@@ -47,13 +51,13 @@ def test_bad_config_fails_at_start_with_one_line(tmp_path, override, key, value)
 
 def test_stage_rejects_a_hand_edited_bad_params_file(tmp_path):
     data = config.compose([])
-    data["algorithm"]["name"] = "ppo-typo"
+    data["algorithm"]["loss"]["name"] = "ppo-typo"
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(data))
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(bad)],
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1].startswith("hacrl: error: algorithm.name: invalid value 'ppo-typo'")
+    assert p.stderr.strip().splitlines()[-1].startswith("hacrl: error: algorithm.loss.name: invalid value 'ppo-typo'")
 
 
 def test_malformed_dataset_stops_prepare_data_with_file_and_line(tmp_path):

@@ -132,8 +132,9 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
                                            "and tags.`hacrl.kind` = 'agent'")
     assert {r.data.tags["hacrl.agent"] for r in agent_runs} == {"gpt2-a", "llama-b"}
     for r in agent_runs:
-        assert {"eval_accuracy", "reward_mean", "train_entropy", "train_clip_frac", "train_kl_to_init",
+        assert {"eval_accuracy", "reward_mean", "train_entropy", "train_clip_frac",
                 "rollout_tokens_per_s"} <= set(r.data.metrics)
+        assert "train_kl_to_init" not in r.data.metrics  # no reference model (kl_coef 0): not computed, not 0
 
 
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):

@@ -1,13 +1,13 @@
-"""HACPO's formulas (ALGORITHMS.md §1) on hand-computed tensors, and the unbiasedness of the
-capability-aware baseline by Monte Carlo."""
+"""HACPO's formulas (docs/ALGORITHMS.md, "HACPO") on hand-computed tensors, and the unbiasedness
+of the capability-aware baseline by Monte Carlo."""
 
 import math
 
 import pytest
 import torch
 
-from hacrl.algorithms import (ADVANTAGES, POLICY_LOSSES, HacpoLossConfig, capability_baseline,
-                              stepwise_lower_bound)
+from hacrl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, HacpoAdvantageOptions,
+                              HacpoLossOptions, LossInputs, capability_baseline, stepwise_lower_bound)
 from hacrl.capability import omega_matrix, update_history, windowed_capability
 
 OMEGA = torch.tensor([[1.0, 0.5], [2.0, 1.0]])  # agent 0 has half agent 1's capability
@@ -59,17 +59,26 @@ def test_advantage_uses_std_of_the_raw_pooled_rewards():
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
     g = torch.zeros(4, dtype=torch.long)
     src = torch.tensor([0, 0, 1, 1])
-    adv = ADVANTAGES["hacpo"](r, g, 1e-6, source_ids=src, learner=0, omega=OMEGA)
+    inp = AdvantageInputs(rewards=r, group_ids=g, is_self=src == 0, source_ids=src, learner=0, omega=OMEGA,
+                          producer_advantages=torch.tensor([9.0, 9.0, -7.0, -7.0]))
+    adv = ADVANTAGES["hacpo"].fn(inp, HacpoAdvantageOptions())
     std = torch.tensor([1.0, 0.0, 1.0, 1.0]).std(unbiased=True).item()  # raw, unweighted
     mu = 0.5
     assert adv.tolist() == pytest.approx([(x - mu) / (std + 1e-6) for x in r.tolist()], rel=1e-5)
     # cross samples use the learner's baseline: the same reward gets the same advantage
     assert adv[0].item() == pytest.approx(adv[2].item())
+    # the open choice cross_advantage=source: cross samples keep their producer's own advantage
+    adv_src = ADVANTAGES["hacpo"].fn(inp, HacpoAdvantageOptions(cross_advantage="source"))
+    assert adv_src[:2].tolist() == pytest.approx(adv[:2].tolist()) and adv_src[2:].tolist() == [-7.0, -7.0]
 
 
 def _loss(new, old, adv, is_self, om, m=0, **kw):
-    cfg = HacpoLossConfig(**kw)
-    return POLICY_LOSSES["hacpo"](new, old, adv, is_self, om, m, cfg)
+    """The registered HACPO loss on per-sample log-prob means (one response token each: the mean
+    is the value itself), the old side as the producer's mean for cross samples."""
+    inp = LossInputs(logp=new[:, None], old_logp=old[:, None], mask=torch.ones(len(new), 1), advantages=adv,
+                     is_self=is_self, omega_src=om, behavior_logp=old[:, None], behavior_logp_mean=old,
+                     update_index=m)
+    return LOSSES["hacpo"].fn(inp, HacpoLossOptions(**kw))
 
 
 def test_discrepancy_coefficient_amplifies_stronger_sources():
@@ -84,26 +93,28 @@ def test_discrepancy_coefficient_amplifies_stronger_sources():
     assert new.grad[0].item() < 0  # positive advantage: raising its likelihood lowers the loss
     new.grad = None
     loss, _ = _loss(new, old, torch.tensor([1.0, 1.0]), torch.tensor([False, False]), torch.tensor([2.0, 0.5]),
-                    alpha=0.0, use_omega=False)
+                    alpha=0.0, discrepancy_coef=False)
     loss.backward()
     assert new.grad[0].item() == pytest.approx(new.grad[1].item())  # -omega ablation
 
 
 def test_cross_ratio_with_different_token_counts_on_the_two_sides():
     # the learner saw the response as 4 tokens, the source as 2: each side is its own mean
-    learner_lp = torch.tensor([[-0.1, -0.2, -0.3, -0.4]])
-    source_lp = torch.tensor([[-0.05, -0.45]])
-    from hacrl.algorithms import masked_mean
+    # (a padded fifth position must not count); the source's mean is -0.25 over its own 2 tokens
+    learner_lp = torch.tensor([[-0.1, -0.2, -0.3, -0.4, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
 
-    new = masked_mean(learner_lp, torch.ones(1, 4), dim=1)  # -0.25
-    old = masked_mean(source_lp, torch.ones(1, 2), dim=1)  # -0.25
-    _, met = _loss(new, old, torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]))
-    assert met["cross_ratio_mean"] == pytest.approx(1.0)
-    _, met = _loss(new - 0.1, old, torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]))
-    assert met["cross_ratio_mean"] == pytest.approx(math.exp(-0.1))
+    def cross_ratio(logp):
+        inp = LossInputs(logp=logp, old_logp=torch.zeros_like(logp), mask=mask, advantages=torch.tensor([1.0]),
+                         is_self=torch.tensor([False]), omega_src=torch.ones(1), behavior_logp=torch.zeros_like(logp),
+                         behavior_logp_mean=torch.tensor([(-0.05 - 0.45) / 2]))
+        return LOSSES["hacpo"].fn(inp, HacpoLossOptions())[1]["cross_ratio_mean"]
+
+    assert cross_ratio(learner_lp) == pytest.approx(1.0)
+    assert cross_ratio(learner_lp - 0.1) == pytest.approx(math.exp(-0.1))
     # the log-ratio is clamped to +-10
     _, met = _loss(torch.tensor([-50.0]), torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([False]),
-                   torch.tensor([1.0]), use_cross_clip=False)
+                   torch.tensor([1.0]), cross_clip=False)
     assert met["cross_ratio_mean"] == pytest.approx(math.exp(-10))
 
 
@@ -128,7 +139,7 @@ def test_zero_gradient_outside_the_cross_clip_range():
         assert (met["cross_clipped_below"], met["cross_clipped_above"]) == ((1.0, 0.0) if s < 1 else (0.0, 1.0))
     new = torch.tensor([math.log(0.5)], requires_grad=True)
     loss, _ = _loss(new, torch.zeros(1), torch.tensor([1.0]), torch.tensor([False]), torch.tensor([1.0]),
-                    use_cross_clip=False)
+                    cross_clip=False)
     loss.backward()
     assert new.grad.item() != 0.0  # -clip ablation: gradient flows
 
@@ -151,12 +162,11 @@ def test_self_samples_give_exactly_the_gspo_loss():
     old = logp + torch.randn(6, 5) * 1e-3
     mask = torch.ones(6, 5)
     mask[2, 3:] = 0
-    adv = torch.randn(6)
-    gspo, _ = POLICY_LOSSES["gspo"](logp, old, adv, mask, 3e-4, 4e-4)
-    from hacrl.algorithms import masked_mean
-
-    hacpo, _ = _loss(masked_mean(logp, mask, dim=1), masked_mean(old, mask, dim=1), adv,
-                     torch.ones(6, dtype=torch.bool), torch.ones(6))
+    inp = LossInputs(logp=logp, old_logp=old, mask=mask, advantages=torch.randn(6),
+                     is_self=torch.ones(6, dtype=torch.bool), omega_src=torch.ones(6), behavior_logp=old,
+                     behavior_logp_mean=torch.zeros(6))
+    gspo, _ = LOSSES["gspo"].fn(inp, ClipOptions("gspo", 3e-4, 4e-4))
+    hacpo, _ = LOSSES["hacpo"].fn(inp, HacpoLossOptions())
     assert hacpo.item() == pytest.approx(gspo.item(), abs=1e-7)
 
 

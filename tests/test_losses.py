@@ -5,13 +5,31 @@ import math
 import pytest
 import torch
 
-from hacrl.algorithms import ADVANTAGES, POLICY_LOSSES, kl_k3
+from hacrl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, GroupAdvantageOptions, GspoOptions,
+                              LossInputs, kl_k3)
+
+
+def run_loss(name, new, old, adv, mask, clip_low, clip_high):
+    """A registered token/sequence loss on own samples only (the GRPO/GSPO situation)."""
+    b = new.shape[0]
+    inp = LossInputs(logp=new, old_logp=old, mask=mask, advantages=adv, is_self=torch.ones(b, dtype=torch.bool),
+                     omega_src=torch.ones(b), behavior_logp=old, behavior_logp_mean=old.mean(1))
+    opts = (ClipOptions if name == "grpo" else GspoOptions)(name, clip_low, clip_high)
+    return LOSSES[name].fn(inp, opts)
+
+
+def group_advantage(r, g, eps):
+    n = len(r)
+    inp = AdvantageInputs(rewards=r, group_ids=g, is_self=torch.ones(n, dtype=torch.bool),
+                          source_ids=torch.zeros(n, dtype=torch.long), learner=0, omega=torch.ones(1, 1),
+                          producer_advantages=torch.zeros(n))
+    return ADVANTAGES["grpo"].fn(inp, GroupAdvantageOptions(eps=eps))
 
 
 def test_group_advantage_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     g = torch.tensor([0, 0, 0, 1, 1, 1])
-    adv = ADVANTAGES["grpo"](r, g, 1e-6)
+    adv = group_advantage(r, g, 1e-6)
     std = math.sqrt(((1 - 1 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
     assert adv[0].item() == pytest.approx((1 - 1 / 3) / (std + 1e-6), rel=1e-5)
     assert adv[1].item() == pytest.approx((0 - 1 / 3) / (std + 1e-6), rel=1e-5)
@@ -24,7 +42,7 @@ def test_grpo_loss_by_hand():
     new = torch.log(torch.tensor([[0.6, 0.5], [0.5, 1.0]]))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, m = POLICY_LOSSES["grpo"](new, old, adv, mask, 0.2, 0.28)
+    loss, m = run_loss("grpo", new, old, adv, mask, 0.2, 0.28)
     # seq 1: ratios 1.2 (inside [0.8, 1.28]) and 1.0 -> mean(1.2, 1.0) * 1 = 1.1
     # seq 2: ratio 2.0 with A<0: min(2*-2, 1.28*-2) = -4 -> mean over its 1 token = -4
     assert loss.item() == pytest.approx(-(1.1 + -4.0) / 2, rel=1e-6)
@@ -34,7 +52,7 @@ def test_grpo_loss_by_hand():
 def test_grpo_gradient_is_zero_outside_the_clip_on_the_advantage_side():
     old = torch.zeros(1, 1)
     new = torch.tensor([[math.log(1.5)]], requires_grad=True)
-    loss, _ = POLICY_LOSSES["grpo"](new, old, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.28)
+    loss, _ = run_loss("grpo", new, old, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.28)
     loss.backward()
     assert new.grad.abs().item() == 0.0
 
@@ -44,12 +62,12 @@ def test_gspo_loss_by_hand():
     new = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.2002, 0.2, 0.2]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([0.5, 1.0])
-    loss, m = POLICY_LOSSES["gspo"](new, old, adv, mask, 3e-4, 4e-4)
+    loss, m = run_loss("gspo", new, old, adv, mask, 3e-4, 4e-4)
     s2 = math.exp(math.log(1.001) / 3)  # length-normalised: 1.000333 < 1 + 4e-4, not clipped
     assert loss.item() == pytest.approx(-(1.0 * 0.5 + s2 * 1.0) / 2, rel=1e-6)
     assert m["clip_frac"] == 0.0
     new2 = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.3, 0.2, 0.2]]))
-    loss2, m2 = POLICY_LOSSES["gspo"](new2, old, adv, mask, 3e-4, 4e-4)
+    loss2, m2 = run_loss("gspo", new2, old, adv, mask, 3e-4, 4e-4)
     assert loss2.item() == pytest.approx(-(0.5 + 1.0004 * 1.0) / 2, rel=1e-6)
     assert m2["clip_frac"] == 0.5
 

@@ -10,6 +10,8 @@ from conftest import SMOKE
 
 from hacrl import config, stages
 from hacrl.errors import NonFiniteLossError
+from hacrl.experience import read_records, write_records
+from test_experience import plain
 from hacrl.storage import RunLayout, read_json
 
 
@@ -52,8 +54,10 @@ def test_rollout_records_carry_what_later_stages_need(pipeline):
     # the same prompts for every agent
     ids = [set(pd.read_parquet(lay.rollouts(1) / f"{a.name}.parquet")["prompt_id"]) for a in cfg.agents]
     assert ids[0] == ids[1]
-    ex = pd.read_parquet(lay.exchange(1) / "experience.parquet")
-    assert (ex["schema_version"] == 1).all() and set(ex["producer"]) == {a.name for a in cfg.agents}
+    for a in cfg.agents:
+        ex = read_records(lay.published(1, a.name, "trajectory"), "trajectory")
+        assert (ex["schema_version"] == 2).all() and set(ex["producer"]) == {a.name}
+        assert len(ex) == 16 * 4
     pool = read_json(lay.it(0) / "pool.json")
     assert all(p["round_trip_mismatch"] == 0 for p in pool.values())
     cap = read_json(lay.capability(1))
@@ -68,7 +72,7 @@ def test_gspo_self_ratio_is_exactly_one_on_the_first_minibatch(pipeline, tmp_pat
     lay = RunLayout(cfg.experiment.runs_dir)
     a = cfg.agents[0]
     agent = load_agent(a, lay.checkpoint(0, a.name))
-    batch = pd.read_parquet(lay.exchange(1) / f"learner-{a.name}.parquet")
+    batch = read_records(lay.learner_input(1, a.name), "learner_input")
     stats = train_learner(agent, batch, cfg, seed=0, prev_state=lay.train_state(0) / a.name,
                           out_state=tmp_path / "st")
     assert stats["first_ratio_mean"] == 1.0
@@ -83,18 +87,18 @@ def test_gspo_self_ratio_is_exactly_one_on_the_first_minibatch(pipeline, tmp_pat
 def test_nan_loss_fails_the_stage_without_a_checkpoint(pipeline):
     cfg, tmp = pipeline
     lay = RunLayout(cfg.experiment.runs_dir)
-    f = lay.exchange(1) / f"learner-{cfg.agents[0].name}.parquet"
-    good = pd.read_parquet(f)
+    f = lay.learner_input(1, cfg.agents[0].name)
+    good = read_records(f, "learner_input")
     bad = good.copy()
     bad["reward"] = float("nan")
-    bad.to_parquet(f, index=False)
+    write_records(f, bad, "learner_input")
     try:
         with pytest.raises(NonFiniteLossError):
             stages.update_policies(cfg, 1)
         assert not lay.checkpoints(1).exists() and not lay.train_state(1).exists()
         assert not list(lay.it(1).glob(".tmp-*")), "no half-written checkpoint may remain"
     finally:
-        good.to_parquet(f, index=False)
+        write_records(f, good, "learner_input")
 
 
 def test_update_and_evaluate_finish_the_iteration(pipeline):
@@ -123,22 +127,46 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
     lay = RunLayout(cfg_s.experiment.runs_dir)
     ex = stages.exchange_and_align(cfg_s, 1)
     a, b = cfg_s.agents
-    inp = pd.read_parquet(lay.exchange(1) / f"learner-{a.name}.parquet")
+    inp = read_records(lay.learner_input(1, a.name), "learner_input")
     assert ex[a.name]["cross"] == (~inp["is_self"]).sum() == 64 and inp["is_self"].sum() == 64
     assert inp["is_self"].iloc[:64].all()  # the learner's own records first
-    assert ex[a.name]["retokenize_mismatch"] == 0.0
+    assert ex["thl"][b.name][a.name]["round_trip_mismatch"] == 0.0
+    assert ex["thl"][b.name][a.name]["records"] == 64
     tok = AutoTokenizer.from_pretrained(lay.checkpoint(0, a.name))
     peer = inp[~inp["is_self"]].iloc[0]
     assert peer["producer"] == b.name and peer["learner"] == a.name
     assert list(peer["input_prompt_ids"]) == tok(a.template.replace("{problem}", peer["problem"]),
                                                  add_special_tokens=False)["input_ids"]
     assert tok.decode(peer["input_response_ids"], skip_special_tokens=True) == peer["response_text"]
+    # the learner's input is a function of the published shards, its tokenizer and template alone
+    from hacrl.experience import LearnerView, subscribe
+    from hacrl.pool import load_tokenizer
+
+    published = {p.name: {k: read_records(lay.published(1, p.name, k), k)
+                          for k in ("trajectory", "verified_success", "reward_stats")} for p in cfg_s.agents}
+    toks = {p.name: load_tokenizer(p, lay.checkpoint(0, p.name)) for p in cfg_s.agents}
+    again = subscribe(published, LearnerView(a.name, toks[a.name], a.template), cfg_s.algorithm.subscription,
+                      toks, cfg_s.algorithm.thl).rows
+    assert plain(again) == plain(inp)
+    # THL: a peer's trace, aligned onto the learner's tokens, keeps its log-prob mass (the barely
+    # trained tiny models also emit <unk>/<pad> mid-response: no text, so their mass is dropped)
+    from hacrl.thl import token_spans
+
+    checked = 0
+    for row in inp[~inp["is_self"]].itertuples():
+        assert len(row.behavior_logprobs_aligned) == len(row.input_response_ids)
+        spans = token_spans(toks[row.producer], list(row.response_token_ids), row.response_text)
+        if None not in spans[:-1]:
+            assert sum(row.behavior_logprobs_aligned) == pytest.approx(sum(row.response_logprobs), abs=1e-6)
+            checked += 1
+    assert checked >= 16
     stages.compute_capability_stats(cfg_s, 1)
     stats = stages.update_policies(cfg_s, 1)[a.name]
     assert stats["cross_samples"] == 64 and stats["updates"] == 2
     if algo == "hacpo":
         # self_first: mini-batch 0 holds the 64 self samples (ratio exactly 1), mini-batch 1 the cross
         assert stats["first_ratio_mean"] == 1.0
-        assert stats["cross_lower_bounds"] == pytest.approx([0.8, 0.825])
+        assert stats["per_update"]["cross_lower_bound"] == pytest.approx([0.8, 0.825])
+        assert stats["per_update"]["cross_share"] == [0.0, 1.0]
         assert 0 < stats["cross_ratio_min"] <= stats["cross_ratio_mean"] <= stats["cross_ratio_max"]
         assert stats["cross_share"] == pytest.approx(0.5)

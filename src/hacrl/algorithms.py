@@ -1,60 +1,99 @@
 """Advantage estimators and policy losses: pure tensor functions registered by name.
 
-No model, no I/O and no config object inside: each function takes tensors and numbers and
-returns tensors (and a dict of scalar metrics), so it can be checked by hand on small inputs.
-The formulas are those of ALGORITHMS.md §0 (GRPO, GSPO) and §1 (HACPO). A new loss is a local
-change: write the function, decorate it, name it in ``conf/algorithm/*.yaml``.
+No model, no I/O inside: each registered function takes one inputs dataclass and its options
+dataclass, and returns tensors (and a dict of scalar metrics), so it can be checked by hand on
+small inputs. The formulas are written out in docs/ALGORITHMS.md.
 
-Two loss shapes exist: token-level (``grpo``, ``gspo``: per-token log-probs of one tokenizer)
-and sample-level (``hacpo``: per-sample log-prob *means*, because a cross sample's numerator and
-denominator are averaged over two different tokenizers' tokens). ``SAMPLE_LEVEL_LOSSES`` names
-the latter.
+The contract (one call shape each):
+
+- an advantage estimator: ``fn(inp: AdvantageInputs, opts) -> advantages (N,)``;
+- a policy loss: ``fn(inp: LossInputs, opts) -> (loss, metrics)``, registered with its level:
+  ``token`` (per-token ratios on the learner's tokens) or ``sequence`` (one length-normalised
+  ratio per sample).
+
+Each is registered with the dataclass of its options; a YAML section ``{name: ..., <options>}``
+builds that dataclass field for field, so every knob has one name from YAML to the function.
+An algorithm (``conf/algorithm/*.yaml``) names one estimator, one loss and its subscription.
+Adding one is: write the function(s) here, decorate, write the YAML.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-ADVANTAGES: dict[str, Callable] = {}
-POLICY_LOSSES: dict[str, Callable] = {}
+from hacrl.config import ConfigError
 
 
 @dataclass(frozen=True)
-class AlgorithmSpec:
-    """How an algorithm uses the pool: what a learner subscribes to in exchange-and-align."""
+class Registered:
+    """One registered function with its options dataclass and, for a loss, its level."""
 
     name: str
-    subscribe: str  # "self": a learner trains on its own records only; "all": on every agent's
-    description: str
+    fn: Callable
+    options: type
+    level: str | None = None
 
 
-ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "grpo": AlgorithmSpec("grpo", "self", "independent GRPO (token-level clipped ratio)"),
-    "gspo": AlgorithmSpec("gspo", "self", "independent GSPO (sequence-level length-normalised ratio)"),
-    "gspo_x2": AlgorithmSpec("gspo_x2", "self", "independent GSPO with 2G samples per prompt (equal-cost baseline)"),
-    "naive_share": AlgorithmSpec("naive_share", "all", "GSPO on every agent's rollouts, none of HACPO's mechanisms"),
-    "hacpo": AlgorithmSpec("hacpo", "all", "HACPO: capability-aware advantage, discrepancy coefficient, "
-                                           "exponential IS, stepwise clipping"),
-}
-SAMPLE_LEVEL_LOSSES = {"hacpo"}
+ADVANTAGES: dict[str, Registered] = {}
+LOSSES: dict[str, Registered] = {}
+LOSS_LEVELS = ("token", "sequence")
 
 
-def register_advantage(name: str):
-    def deco(fn):
-        ADVANTAGES[name] = fn
+def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None):
+    if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
+        raise TypeError(f"{name}: options must be a dataclass with a 'name' field")
+
+    def deco(fn: Callable) -> Callable:
+        if name in table:
+            raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
+        table[name] = Registered(name, fn, options, level)
         return fn
     return deco
 
 
-def register_policy_loss(name: str):
-    def deco(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return deco
+def register_advantage(name: str, options: type):
+    """Register ``fn(inp: AdvantageInputs, opts) -> (N,)`` under ``name`` with its options dataclass."""
+    return _register(ADVANTAGES, name, options)
+
+
+def register_loss(name: str, options: type, level: str):
+    """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence."""
+    if level not in LOSS_LEVELS:
+        raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
+    return _register(LOSSES, name, options, level)
+
+
+def build_options(table: dict[str, Registered], section: Any, key: str):
+    """The options dataclass of a YAML section ``{name: ..., <options>}``; one-line errors naming
+    the key (unknown name, unknown option, invalid value)."""
+    if dataclasses.is_dataclass(section):
+        return section
+    if not isinstance(section, dict) or "name" not in section:
+        raise ConfigError(f"{key}: invalid value {section!r} (a mapping with a 'name' and its options)")
+    name = section["name"]
+    if name not in table:
+        raise ConfigError(f"{key}.name: invalid value {name!r} (choose from {', '.join(sorted(table))})")
+    reg = table[name]
+    fields = {f.name for f in dataclasses.fields(reg.options)}
+    for k, v in section.items():
+        if k not in fields:
+            raise ConfigError(f"{key}.{k}: unknown option of {name} (value {v!r}; options: "
+                              f"{', '.join(sorted(fields - {'name'}))})")
+    try:
+        return reg.options(**section)
+    except ConfigError as e:
+        raise ConfigError(f"{key}.{e}") from None
+
+
+def _check(cond: bool, key: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: invalid value {value!r} ({why})")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -63,14 +102,63 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-@register_advantage("grpo")
-def group_normalized_advantage(rewards: torch.Tensor, group_ids: torch.Tensor,
-                               eps: float = 1e-6, **_unused) -> torch.Tensor:
-    """GRPO: ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` (unbiased std).
+# ----------------------------------------------------------------------------- inputs
 
-    ``rewards`` (N,) float; ``group_ids`` (N,) long, one id per prompt. A group whose rewards
-    are all equal gets advantage 0.
-    """
+@dataclass
+class AdvantageInputs:
+    """Everything an estimator may use about one learner's N training samples."""
+
+    rewards: torch.Tensor
+    """(N,) float, the verified rewards."""
+    group_ids: torch.Tensor
+    """(N,) long, one id per prompt."""
+    is_self: torch.Tensor
+    """(N,) bool, the learner's own samples."""
+    source_ids: torch.Tensor
+    """(N,) long, the producing agent's index in the pool."""
+    learner: int
+    """The learner's index in the pool."""
+    omega: torch.Tensor
+    """(n, n) capability ratios omega[a, b] = P_hat[a] / P_hat[b], clamped (ones if unknown)."""
+    producer_advantages: torch.Tensor
+    """(N,) each record's published advantage: its producer's own group advantage."""
+    pool_mean: torch.Tensor | None = None
+    """(N,) mean reward of the sample's prompt over every subscribed producer (from
+    ``reward_stats`` records); None when the subscription takes no reward statistics."""
+    pool_std: torch.Tensor | None = None
+    """(N,) the matching unbiased standard deviation."""
+
+
+@dataclass
+class LossInputs:
+    """One mini-batch of a learner: B samples, T response positions in the learner's tokens."""
+
+    logp: torch.Tensor
+    """(B, T) the learner's per-token log-probs now (with grad)."""
+    old_logp: torch.Tensor
+    """(B, T) the learner's policy before this step's first update, on the same tokens."""
+    mask: torch.Tensor
+    """(B, T) 1 on response tokens."""
+    advantages: torch.Tensor
+    """(B,)"""
+    is_self: torch.Tensor
+    """(B,) bool"""
+    omega_src: torch.Tensor
+    """(B,) omega[source, learner] of each sample (1 for the learner's own)."""
+    behavior_logp: torch.Tensor
+    """(B, T) the producer's generation log-probs on the learner's tokens: as generated for the
+    learner's own samples, aligned by THL for peers' (per-word mass preserved)."""
+    behavior_logp_mean: torch.Tensor
+    """(B,) the producer's mean generation log-prob over its own tokens."""
+    update_index: int = 0
+    """m: the index of this optimizer update within the learner's step (0-based)."""
+
+
+# ----------------------------------------------------------------------------- GRPO / GSPO
+
+def group_normalized_advantage(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` (unbiased std); a group whose
+    rewards are all equal gets 0. ``rewards`` (N,) float, ``group_ids`` (N,) long."""
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     for g in torch.unique(group_ids):
         m = group_ids == g
@@ -80,23 +168,54 @@ def group_normalized_advantage(rewards: torch.Tensor, group_ids: torch.Tensor,
     return adv
 
 
-@register_policy_loss("grpo")
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28):
-    """GRPO: ``-(1/G) sum_i (1/|y_i|) sum_t min(rho A, clip(rho, 1-eps_l, 1+eps_h) A)``.
+@dataclass(frozen=True)
+class GroupAdvantageOptions:
+    name: str = "grpo"
+    eps: float = 1e-6
+    """Added to the group's std."""
 
-    ``logp``/``old_logp``/``mask``: (B, T) per-token log-probs and response mask;
-    ``advantages``: (B,). Returns (loss, metrics).
-    """
-    ratio = torch.exp(logp - old_logp)
-    a = advantages[:, None]
-    surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
-    per_seq = masked_mean(surr, mask, dim=1)
+    def __post_init__(self):
+        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
+
+
+@register_advantage("grpo", GroupAdvantageOptions)
+def grpo_advantage(inp: AdvantageInputs, opts: GroupAdvantageOptions) -> torch.Tensor:
+    """GRPO's group-relative advantage over every training sample of the prompt."""
+    return group_normalized_advantage(inp.rewards, inp.group_ids, opts.eps)
+
+
+@dataclass(frozen=True)
+class ClipOptions:
+    name: str = "grpo"
+    clip_low: float = 0.2
+    """eps_l: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = 0.28
+    """eps_h (0.28 as in DAPO's clip-higher)."""
+
+    def __post_init__(self):
+        _check(self.clip_low >= 0, "clip_low", self.clip_low, "must be >= 0")
+        _check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class GspoOptions(ClipOptions):
+    name: str = "gspo"
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+
+@register_loss("grpo", ClipOptions, level="token")
+def grpo_loss(inp: LossInputs, opts: ClipOptions):
+    """``-(1/B) sum_i (1/|y_i|) sum_t min(rho A, clip(rho, 1-eps_l, 1+eps_h) A)``, rho per token."""
+    ratio = torch.exp(inp.logp - inp.old_logp)
+    a = inp.advantages[:, None]
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    per_seq = masked_mean(surr, inp.mask, dim=1)
     loss = -per_seq.mean()
     with torch.no_grad():
-        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
-        metrics = {"clip_frac": masked_mean(clipped, mask).item(),
-                   "ratio_mean": masked_mean(ratio, mask).item()}
+        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
+        metrics = {"clip_frac": masked_mean(clipped, inp.mask).item(),
+                   "ratio_mean": masked_mean(ratio, inp.mask).item()}
     return loss, metrics
 
 
@@ -105,15 +224,15 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
     return masked_mean(logp - old_logp, mask, dim=1)
 
 
-@register_policy_loss("gspo")
-def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4):
-    """GSPO: ``s_i = exp(mean_t log-ratio)``, loss ``-(1/G) sum_i min(s A, clip(s) A)``."""
-    s = torch.exp(sequence_log_ratio(logp, old_logp, mask))
-    surr = torch.minimum(s * advantages, s.clamp(1 - clip_low, 1 + clip_high) * advantages)
+@register_loss("gspo", GspoOptions, level="sequence")
+def gspo_loss(inp: LossInputs, opts: GspoOptions):
+    """``s_i = exp(mean_t log-ratio)``, loss ``-(1/B) sum_i min(s A, clip(s) A)``."""
+    s = torch.exp(sequence_log_ratio(inp.logp, inp.old_logp, inp.mask))
+    a = inp.advantages
+    surr = torch.minimum(s * a, s.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
     loss = -surr.mean()
     with torch.no_grad():
-        clipped = ((s < 1 - clip_low) | (s > 1 + clip_high)).float()
+        clipped = ((s < 1 - opts.clip_low) | (s > 1 + opts.clip_high)).float()
         metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item()}
     return loss, metrics
 
@@ -125,23 +244,26 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> tor
     return masked_mean(torch.exp(r) - r - 1, mask, dim=1).mean()
 
 
-# ----------------------------------------------------------------------------- HACPO (§1)
+# ----------------------------------------------------------------------------- HACPO
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
+
 
 def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_ids: torch.Tensor,
                         learner: int, omega: torch.Tensor, use_capability: bool = True,
                         guards: bool = True) -> torch.Tensor:
-    """HACPO's baseline ``mu^(k)`` per sample (§1.2): the mean over the prompt's pooled rewards,
-    each source j's rewards weighted by ``omega[k, j]`` (learner over source, clamped).
+    """HACPO's baseline ``mu^(k)`` per sample: the mean over the prompt's pooled rewards, each
+    source j's rewards weighted by ``omega[k, j]`` (learner over source, clamped).
 
-    ``rewards``/``group_ids``/``source_ids``: (N,); ``learner``: k, an index into ``omega``
-    (n, n). ``use_capability=False`` is the plain pooled mean (ablation ``-adv``). Guards of the
-    reference code (``guards``): all rewards of the prompt equal -> their plain mean; a weighted
-    mean above 1 -> the mean of the learner's own rewards of the prompt.
+    ``use_capability=False`` is the plain pooled mean (ablation). Guards of the reference code:
+    all rewards of the prompt equal -> their plain mean; a weighted mean above 1 -> the mean of
+    the learner's own rewards of the prompt.
     """
     r = rewards.float()
     w = omega[learner, source_ids].float() if use_capability else torch.ones_like(r)
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    n = int(inv.max()) + 1 if inv.numel() else 0
+    inv, n = _group_index(group_ids)
 
     def gsum(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float32).index_add_(0, inv, x.float())
@@ -162,8 +284,7 @@ def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_i
 
 def group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Unbiased standard deviation of each sample's group (0 for a group of one), per sample."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    n = int(inv.max()) + 1 if inv.numel() else 0
+    inv, n = _group_index(group_ids)
     x = x.float()
     cnt = torch.zeros(n).index_add_(0, inv, torch.ones_like(x))
     mean = torch.zeros(n).index_add_(0, inv, x) / cnt
@@ -171,75 +292,104 @@ def group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(cnt > 1, (ss / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros(n))[inv]
 
 
-@register_advantage("hacpo")
-def capability_aware_advantage(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, *,
-                               source_ids: torch.Tensor, learner: int, omega: torch.Tensor,
-                               use_capability: bool = True, **_unused) -> torch.Tensor:
-    """HACPO advantage of every pooled sample for learner k (§1.2):
-    ``A = (R - mu^(k)) / (std(raw pooled rewards of the prompt, unbiased) + eps)``; cross samples
-    use the learner's baseline too. See :func:`capability_baseline` for ``mu`` and the guards.
-    """
-    r = rewards.float()
-    mu = capability_baseline(r, group_ids, source_ids, learner, omega, use_capability)
-    return (r - mu) / (group_std(r, group_ids) + eps)
+@dataclass(frozen=True)
+class HacpoAdvantageOptions:
+    name: str = "hacpo"
+    eps: float = 1e-6
+    capability_aware: bool = True
+    """Weight each source's rewards in the baseline by learner-over-source capability;
+    False: the plain pooled mean (the ``-adv`` ablation)."""
+    cross_advantage: str = "learner"
+    """Open choice: cross samples take the ``learner``'s advantage A^(k) (reference) or keep the
+    ``source``'s own group advantage A^(j) (as published with the record)."""
+
+    def __post_init__(self):
+        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
+        _check(self.cross_advantage in ("learner", "source"), "cross_advantage", self.cross_advantage,
+               "learner or source")
+
+
+@register_advantage("hacpo", HacpoAdvantageOptions)
+def hacpo_advantage(inp: AdvantageInputs, opts: HacpoAdvantageOptions) -> torch.Tensor:
+    """``A = (R - mu^(k)) / (std(raw pooled rewards of the prompt, unbiased) + eps)`` for every
+    pooled sample; see :func:`capability_baseline` for ``mu`` and its guards."""
+    r = inp.rewards.float()
+    mu = capability_baseline(r, inp.group_ids, inp.source_ids, inp.learner, inp.omega, opts.capability_aware)
+    adv = (r - mu) / (group_std(r, inp.group_ids) + opts.eps)
+    if opts.cross_advantage == "source":
+        adv = torch.where(inp.is_self, adv, inp.producer_advantages.float())
+    return adv
 
 
 @dataclass(frozen=True)
-class HacpoLossConfig:
-    """The knobs of the HACPO loss; each mechanism can be switched off alone (ablations)."""
+class HacpoLossOptions:
+    """The HACPO loss; each mechanism can be switched off alone (the paper's ablations)."""
 
+    name: str = "hacpo"
     clip_low: float = 3e-4
-    """Self samples: GSPO clip ``[1 - clip_low, 1 + clip_high]``."""
+    """Self samples: the GSPO clip ``[1 - clip_low, 1 + clip_high]``."""
     clip_high: float = 4e-4
     alpha: float = 1.0
-    """Exponential IS ``s * sg[s]^alpha`` on cross samples; 0 is the ``-expIS`` ablation."""
-    delta: float = 0.2
-    """Cross clip lower bound ``1 - delta`` at the first mini-batch of a step."""
-    delta_step: float = 0.025
-    """Raise of the lower bound per mini-batch; 0 is the ``-stepwise`` ablation."""
+    """Exponential importance sampling ``s * sg[s]^alpha`` on cross samples (paper: 1 or 3); 0 is
+    the ``-expIS`` ablation."""
+    cross_clip: bool = True
+    """Clip cross ratios to ``[lower_m, 1]`` (zero gradient outside); False is ``-clip``."""
+    cross_clip_delta: float = 0.2
+    """The cross clip's lower bound is ``1 - delta`` at the step's first update..."""
+    cross_clip_delta_step: float = 0.025
+    """...raised by this much per update (stepwise clipping); 0 is ``-stepwise``."""
     log_ratio_clamp: float = 10.0
-    use_omega: bool = True
-    """Multiply cross samples by ``omega[j, k]`` (source over learner); False: ``-omega``."""
-    use_cross_clip: bool = True
-    """Clip cross ratios to ``[lower_m, 1]``; False: ``-clip``."""
+    """Clamp of the cross log-ratio."""
+    discrepancy_coef: bool = True
+    """Multiply cross samples by ``omega[source, learner]``; False is ``-omega``."""
     sg_on: str = "clipped"
-    """Stop-gradient factor of the exponential IS on the ``clipped`` (reference) or ``raw`` ratio."""
+    """Open choice: the stop-gradient factor of the exponential IS is the ``clipped`` (reference)
+    or the ``raw`` ratio."""
     aggregation: str = "pooled_mean"
-    """``pooled_mean``: one mean over all samples (reference); ``split``: mean(self) + mean(cross)."""
+    """Open choice: ``pooled_mean``, one mean over all samples of the mini-batch (reference), or
+    ``split``, mean(self) + mean(cross)."""
+
+    def __post_init__(self):
+        _check(self.clip_low >= 0, "clip_low", self.clip_low, "must be >= 0")
+        _check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
+        _check(self.alpha >= 0, "alpha", self.alpha, "must be >= 0")
+        _check(0 <= self.cross_clip_delta <= 1, "cross_clip_delta", self.cross_clip_delta, "must be in [0, 1]")
+        _check(self.cross_clip_delta_step >= 0, "cross_clip_delta_step", self.cross_clip_delta_step, "must be >= 0")
+        _check(self.log_ratio_clamp > 0, "log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
+        _check(self.sg_on in ("clipped", "raw"), "sg_on", self.sg_on, "clipped or raw")
+        _check(self.aggregation in ("pooled_mean", "split"), "aggregation", self.aggregation, "pooled_mean or split")
 
 
-def stepwise_lower_bound(minibatch_index: int, delta: float, delta_step: float) -> float:
-    """``lower_m = min(1, 1 - delta + m * delta_step)`` (§1.5), m 0-based within the step."""
-    return min(1.0, 1.0 - delta + minibatch_index * delta_step)
+def stepwise_lower_bound(update_index: int, delta: float, delta_step: float) -> float:
+    """``lower_m = min(1, 1 - delta + m * delta_step)``, m 0-based within the step."""
+    return min(1.0, 1.0 - delta + update_index * delta_step)
 
 
-@register_policy_loss("hacpo")
-def hacpo_loss(new_logp_mean: torch.Tensor, old_logp_mean: torch.Tensor, advantages: torch.Tensor,
-               is_self: torch.Tensor, omega_src: torch.Tensor, minibatch_index: int,
-               cfg: HacpoLossConfig = HacpoLossConfig()):
-    """HACPO loss of one mini-batch of learner k (§1.3-1.6), sample level.
+@register_loss("hacpo", HacpoLossOptions, level="sequence")
+def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
+    """HACPO loss of one mini-batch of learner k, one ratio per sample.
 
-    ``new_logp_mean`` (B,): the learner's mean log-prob of each response over *its own*
-    tokens (with grad); ``old_logp_mean`` (B,): for self samples the learner's old policy on
-    the same tokens, for cross samples the source's generation log-probs averaged over the
-    *source's* tokens; ``advantages`` (B,): from :func:`capability_aware_advantage`;
-    ``is_self`` (B,) bool; ``omega_src`` (B,): ``omega[j, k]`` of each sample's source j
-    (1 for self). Self: ``min(s A, clip(s, 1-eps_l, 1+eps_h) A)``; cross: ``c sg[c]^alpha
-    omega A`` with ``c = clip(s, lower_m, 1)`` (zero gradient outside). Loss = -mean.
-    Returns (loss, metrics).
+    ``log s = mean over the learner's tokens of its log-probs - old``, where old is, for a self
+    sample, the learner's old policy on the same tokens (GSPO's ratio) and, for a cross sample,
+    the producer's generation log-prob mean over *its own* tokens. Self: ``min(s A, clip(s,
+    1-eps_l, 1+eps_h) A)``; cross: ``c sg[c]^alpha omega A`` with ``c = clip(s, lower_m, 1)``.
+    Loss = -mean (or -(mean self + mean cross)).
     """
-    log_s = (new_logp_mean - old_logp_mean).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    is_self = inp.is_self
+    new_mean = masked_mean(inp.logp, inp.mask, dim=1)
+    old_mean = torch.where(is_self, masked_mean(inp.old_logp, inp.mask, dim=1), inp.behavior_logp_mean)
+    log_s = (new_mean - old_mean).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
     s = torch.exp(log_s)
-    a = advantages.float()
-    self_term = torch.minimum(s * a, s.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * a)
-    lower = stepwise_lower_bound(minibatch_index, cfg.delta, cfg.delta_step)
-    c = s.clamp(lower, 1.0) if cfg.use_cross_clip else s
-    sg = (c if cfg.sg_on == "clipped" else s).detach()
-    w = omega_src.float() if cfg.use_omega else torch.ones_like(a)
-    cross_term = c * sg.pow(cfg.alpha) * w * a
+    a = inp.advantages.float()
+    self_term = torch.minimum(s * a, s.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    lower = stepwise_lower_bound(inp.update_index, opts.cross_clip_delta, opts.cross_clip_delta_step)
+    c = s.clamp(lower, 1.0) if opts.cross_clip else s
+    sg = (c if opts.sg_on == "clipped" else s).detach()
+    w = inp.omega_src.float() if opts.discrepancy_coef else torch.ones_like(a)
+    cross_term = c * sg.pow(opts.alpha) * w * a
     per = torch.where(is_self, self_term, cross_term)
     cross = ~is_self
-    if cfg.aggregation == "split":
+    if opts.aggregation == "split":
         loss = -(per[is_self].mean() if is_self.any() else per.sum() * 0) \
                - (per[cross].mean() if cross.any() else per.sum() * 0)
     else:
@@ -253,10 +403,10 @@ def hacpo_loss(new_logp_mean: torch.Tensor, old_logp_mean: torch.Tensor, advanta
             "cross_ratio_mean": float(sc.mean()) if sc.numel() else float("nan"),
             "cross_ratio_min": float(sc.min()) if sc.numel() else float("nan"),
             "cross_ratio_max": float(sc.max()) if sc.numel() else float("nan"),
-            "cross_clipped_below": float((sc < lower).float().mean()) if sc.numel() else 0.0,
-            "cross_clipped_above": float((sc > 1.0).float().mean()) if sc.numel() else 0.0,
+            "cross_clipped_below": float((sc < lower).float().mean()) if sc.numel() else float("nan"),
+            "cross_clipped_above": float((sc > 1.0).float().mean()) if sc.numel() else float("nan"),
             "ratio_mean": float(ss.mean()) if ss.numel() else float("nan"),
-            "clip_frac": float(((ss < 1 - cfg.clip_low) | (ss > 1 + cfg.clip_high)).float().mean())
-            if ss.numel() else 0.0,
+            "clip_frac": float(((ss < 1 - opts.clip_low) | (ss > 1 + opts.clip_high)).float().mean())
+            if ss.numel() else float("nan"),
         }
     return loss, metrics

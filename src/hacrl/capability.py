@@ -1,4 +1,4 @@
-"""Capability statistics (ALGORITHMS.md §1.1): per-agent accuracy per step, the windowed
+"""Capability statistics (docs/ALGORITHMS.md, "Capability"): per-agent accuracy per step, the windowed
 capability ``P_hat`` over the last K steps (current included), the clamped ratio matrix
 ``omega[a][b] = P_hat[a] / P_hat[b]``, and pooled per-prompt statistics. The history is a
 small JSON document that each iteration extends from the previous one.

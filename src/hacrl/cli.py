@@ -89,6 +89,30 @@ def _injected_fault(stage: str, t: int) -> None:
         raise InjectedFault(f"injected fault in {stage}@it{t} (HACRL_FAULT={spec})")
 
 
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    """The presets of conf/algorithm/ and every registered estimator and loss with its options."""
+    import dataclasses
+
+    import yaml
+
+    from hacrl import algorithms
+    from hacrl.config import CONF_DIR
+
+    print("presets (conf/algorithm/, select with algorithm=NAME):")
+    for f in sorted((CONF_DIR / "algorithm").glob("*.yaml")):
+        d = yaml.safe_load(f.read_text())
+        subs = ", ".join(f"{s['record_type']}/{s.get('producers', 'self')}" for s in d.get("subscription", []))
+        print(f"  {f.stem:<14} advantage={d['advantage']['name']:<8} loss={d['loss']['name']:<8} subscription: {subs}")
+    for title, table in (("advantage estimators (algorithm.advantage)", algorithms.ADVANTAGES),
+                         ("losses (algorithm.loss)", algorithms.LOSSES)):
+        print(f"{title}:")
+        for name, reg in table.items():
+            opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(reg.options) if f.name != "name")
+            level = f" [{reg.level}]" if reg.level else ""
+            print(f"  {name}{level}: {opts}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from hacrl import config as config_mod
     from hacrl.stages import run_in_process
@@ -148,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")
     s.set_defaults(fn=cmd_stage)
+    al = sub.add_parser("algorithms", help="list the algorithm presets, estimators and losses with their options")
+    al.set_defaults(fn=cmd_algorithms)
     r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
     r.add_argument("--params", default=None)
     r.set_defaults(fn=cmd_run)

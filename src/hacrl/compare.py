@@ -31,11 +31,11 @@ from hacrl.storage import RunLayout, read_json, write_json
 log = logging.getLogger(__name__)
 
 HACPO_ABLATIONS = {
-    "hacpo-adv": ["algorithm.capability_advantage=false"],
-    "hacpo-omega": ["algorithm.discrepancy_coef=false"],
-    "hacpo-expIS": ["algorithm.alpha=0"],
-    "hacpo-clip": ["algorithm.cross_clip=false"],
-    "hacpo-stepwise": ["algorithm.cross_clip_delta_step=0"],
+    "hacpo-adv": ["algorithm.advantage.capability_aware=false"],
+    "hacpo-omega": ["algorithm.loss.discrepancy_coef=false"],
+    "hacpo-expIS": ["algorithm.loss.alpha=0"],
+    "hacpo-clip": ["algorithm.loss.cross_clip=false"],
+    "hacpo-stepwise": ["algorithm.loss.cross_clip_delta_step=0"],
 }
 
 SUITES: dict[str, dict] = {
@@ -137,7 +137,8 @@ def summarize(results: list[dict]) -> dict:
 
 
 def findings(table: dict) -> list[dict]:
-    """The paper's claims (ALGORITHMS.md §1.7), checked on the final accuracy means."""
+    """The paper's claims (docs/ALGORITHMS.md, "What the HACPO paper reports"), checked on the final
+    accuracy means."""
     out = []
     agents = table["agents"]
 

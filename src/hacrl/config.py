@@ -102,54 +102,85 @@ class AgentConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    name: str = "grpo"
-    """Registered algorithm: grpo, gspo, gspo_x2, naive_share, hacpo (``hacrl.algorithms.ALGORITHMS``)."""
-    advantage: str = "grpo"
-    """Registered advantage estimator."""
-    loss: str = "grpo"
-    """Registered policy loss."""
-    clip_low: float = 0.2
-    """eps_l of the ratio clip (GRPO 0.2; GSPO 3e-4)."""
-    clip_high: float = 0.28
-    """eps_h of the ratio clip (GRPO 0.28 as in DAPO; GSPO 4e-4)."""
-    adv_eps: float = 1e-6
-    kl_coef: float = 0.0
-    """beta of the low-variance KL (k3) to the initial model; 0 disables it."""
-    sample_multiplier: int = 1
-    """Samples per prompt = rollout.group_size * this (gspo_x2 uses 2)."""
-    capability_window: int = 5
-    """K of the windowed capability P_hat (HACPO §1.1), current step included."""
+class ThlConfig:
+    """Tokenizer Heterogeneity Layer (docs/ALGORITHMS.md, "THL"): how a peer's response becomes
+    the learner's tokens, and how the peer's log-prob trace is carried onto them."""
+
+    peer_eos: str = "keep_if_stopped"
+    """``keep_if_stopped``: a peer response that ended with EOS gets the learner's EOS appended, and
+    the peer's EOS log-prob stays in its trace; ``drop``: no EOS on the learner side, and the
+    peer's terminal EOS is left out of its trace (sum, mean and count)."""
+    segmentation: str = "whitespace"
+    """Words of the response text: ``whitespace`` (maximal runs of non-space characters) or
+    ``unicode_words`` (runs of word characters, and every other non-space character alone)."""
+    refine_shared_boundaries: bool = True
+    """Inside a word, also cut at every character position where both tokenizations have a token
+    boundary, so identical tokenizations align token for token; False spreads each word's mass
+    evenly over the learner tokens of the word."""
+    residual_sample: int = 512
+    """Records per producer on which exchange-and-align measures THL's residuals for the pairs
+    that the subscription does not retokenise (the pairs it does are measured on every record)."""
+
+
+@dataclass
+class StreamConfig:
+    """One stream of a learner's subscription (docs/ALGORITHMS.md, "SEE")."""
+
+    record_type: str = "trajectory"
+    """``trajectory`` (every verified sample), ``verified_success`` (samples judged correct) or
+    ``reward_stats`` (per producer and prompt: n, successes, mean, std)."""
+    producers: str = "self"
+    """Whose records: ``self`` (the learner's own), ``peers`` (every other agent's) or ``all``."""
+    verdicts: list[str] | None = None
+    """Keep only records with these verdicts (``[correct]``: verified only); null keeps all."""
+
+
+@dataclass
+class CapabilityConfig:
+    """Capability statistics of compute-capability-stats (docs/ALGORITHMS.md, "Capability")."""
+
+    window: int = 5
+    """K: P_hat is the mean step accuracy over the last K steps, the current one included."""
     omega_min: float = 0.1
     omega_max: float = 10.0
-    """Clamp of the capability ratio omega (HACPO §1.1)."""
-    omega_warmup_steps: int = 0
-    """Steps during which omega is fixed to 1 (reference code option)."""
+    """Clamp of the capability ratio omega[a][b] = P_hat[a] / P_hat[b]."""
+    warmup_steps: int = 0
+    """Steps during which omega is fixed to 1."""
+
+
+def _default_subscription() -> list[StreamConfig]:
+    return [StreamConfig()]
+
+
+@dataclass
+class AlgorithmConfig:
+    """An algorithm is its YAML under ``conf/algorithm/``: a label, a registered advantage
+    estimator and a registered loss (each with its own options, the fields of the config
+    dataclass registered with it in ``hacrl.algorithms``), and a subscription."""
+
+    name: str = "grpo"
+    """A label for reports and MLflow (the preset's file name)."""
+    advantage: Any = field(default_factory=lambda: {"name": "grpo"})
+    """``{name: <registered estimator>, <its options>}``; after validation its options dataclass."""
+    loss: Any = field(default_factory=lambda: {"name": "grpo"})
+    """``{name: <registered loss>, <its options>}``; after validation its options dataclass."""
+    subscription: list[StreamConfig] = field(default_factory=_default_subscription)
+    """What the learner takes from the experience stream; trajectory-shaped records become its
+    training rows (its own first), the other types side tables (e.g. pooled reward statistics)."""
+    kl_coef: float = 0.0
+    """beta of the low-variance KL (k3) to the initial model, on the learner's own samples; 0: off."""
+    sample_multiplier: int = 1
+    """Samples per prompt = rollout.group_size * this (GSPO x2 uses 2)."""
     minibatch_order: str = "prompt_groups"
-    """``prompt_groups``: mini-batches of whole prompt groups in seeded order; ``self_first``:
-    the learner's own samples first, then cross samples, no shuffle (HACPO reference, §1.5)."""
-    # --- HACPO (§1); each switch turns one mechanism off alone for the ablations
-    capability_advantage: bool = True
-    """§1.2 capability-weighted baseline; False: plain pooled mean (``-adv``)."""
-    discrepancy_coef: bool = True
-    """§1.3 cross samples times omega[source, learner]; False: ``-omega``."""
-    alpha: float = 1.0
-    """§1.4 exponential IS exponent (paper 1 or 3); 0: ``-expIS``."""
-    cross_clip: bool = True
-    """§1.5 clip cross ratios to [lower_m, 1]; False: ``-clip``."""
-    cross_clip_delta: float = 0.2
-    """§1.5 lower bound 1 - delta at the first mini-batch."""
-    cross_clip_delta_step: float = 0.025
-    """§1.5 raise of the lower bound per mini-batch; 0: ``-stepwise``."""
-    log_ratio_clamp: float = 10.0
-    """§1.4 clamp of the cross log-ratio."""
-    sg_on: str = "clipped"
-    """§3 open choice: stop-gradient factor on the ``clipped`` (reference) or ``raw`` ratio."""
-    cross_advantage: str = "learner"
-    """§3 open choice: cross samples use the ``learner``'s advantage A^(k) (reference) or the
-    ``source``'s own group advantage A^(j)."""
-    aggregation: str = "pooled_mean"
-    """§3 open choice: one mean over pooled samples (reference) or ``split`` = J_homo + J_hete."""
+    """``prompt_groups``: mini-batches of whole prompt groups in seeded order, reshuffled per epoch;
+    ``self_first``: the learner's own samples first, then the others', no shuffle (HACPO reference)."""
+    capability: CapabilityConfig = field(default_factory=CapabilityConfig)
+    thl: ThlConfig = field(default_factory=ThlConfig)
+
+    @property
+    def shares(self) -> bool:
+        """Whether a learner takes anything from other agents."""
+        return any(s.producers != "self" for s in self.subscription)
 
 
 @dataclass
@@ -250,6 +281,9 @@ class Config:
         return self.rollout.group_size * self.algorithm.sample_multiplier
 
 
+_LIST_OF = {"AgentConfig": AgentConfig, "StreamConfig": StreamConfig}
+
+
 def _build(cls: type, data: Any, key: str) -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys with their full name."""
     if not isinstance(data, dict):
@@ -265,10 +299,10 @@ def _build(cls: type, data: Any, key: str) -> Any:
         sub = f"{key}.{k}" if key else k
         if isinstance(ftype, str) and ftype.endswith("Config") and ftype in globals():
             kwargs[k] = _build(globals()[ftype], v, sub)
-        elif ftype == "list[AgentConfig]":
+        elif isinstance(ftype, str) and ftype.startswith("list[") and ftype[5:-1] in _LIST_OF:
             if not isinstance(v, list):
-                raise ConfigError(f"{sub}: expected a list of agents, got {v!r}")
-            kwargs[k] = [_build(AgentConfig, a, f"{sub}[{i}]") for i, a in enumerate(v)]
+                raise ConfigError(f"{sub}: expected a list, got {v!r}")
+            kwargs[k] = [_build(_LIST_OF[ftype[5:-1]], a, f"{sub}[{i}]") for i, a in enumerate(v)]
         else:
             kwargs[k] = v
     return cls(**kwargs)
@@ -284,30 +318,40 @@ def validate(cfg: Config) -> Config:
     from hacrl import algorithms  # registry lives there
 
     a = cfg.algorithm
-    _check(a.name in algorithms.ALGORITHMS, "algorithm.name", a.name,
-           f"unknown algorithm; choose from {', '.join(sorted(algorithms.ALGORITHMS))}")
-    _check(a.advantage in algorithms.ADVANTAGES, "algorithm.advantage", a.advantage,
-           f"unknown advantage; choose from {', '.join(sorted(algorithms.ADVANTAGES))}")
-    _check(a.loss in algorithms.POLICY_LOSSES, "algorithm.loss", a.loss,
-           f"unknown loss; choose from {', '.join(sorted(algorithms.POLICY_LOSSES))}")
-    _check(a.clip_low >= 0 and a.clip_high >= 0, "algorithm.clip_low", a.clip_low, "must be >= 0")
-    _check(a.capability_window >= 1, "algorithm.capability_window", a.capability_window, "must be >= 1")
-    _check(0 < a.omega_min <= 1 <= a.omega_max, "algorithm.omega_min", a.omega_min,
-           "need 0 < omega_min <= 1 <= omega_max")
+    _check(isinstance(a.name, str) and bool(a.name.strip()), "algorithm.name", a.name, "a non-empty label")
+    a.advantage = algorithms.build_options(algorithms.ADVANTAGES, a.advantage, "algorithm.advantage")
+    a.loss = algorithms.build_options(algorithms.LOSSES, a.loss, "algorithm.loss")
     _check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     _check(isinstance(a.sample_multiplier, int) and a.sample_multiplier >= 1,
            "algorithm.sample_multiplier", a.sample_multiplier, "must be an integer >= 1")
     _check(a.minibatch_order in ("prompt_groups", "self_first"), "algorithm.minibatch_order",
            a.minibatch_order, "prompt_groups or self_first")
-    _check(a.alpha >= 0, "algorithm.alpha", a.alpha, "must be >= 0")
-    _check(0 <= a.cross_clip_delta <= 1, "algorithm.cross_clip_delta", a.cross_clip_delta, "must be in [0, 1]")
-    _check(a.cross_clip_delta_step >= 0, "algorithm.cross_clip_delta_step", a.cross_clip_delta_step, "must be >= 0")
-    _check(a.sg_on in ("clipped", "raw"), "algorithm.sg_on", a.sg_on, "clipped or raw")
-    _check(a.cross_advantage in ("learner", "source"), "algorithm.cross_advantage", a.cross_advantage,
-           "learner or source")
-    _check(a.aggregation in ("pooled_mean", "split"), "algorithm.aggregation", a.aggregation, "pooled_mean or split")
-    if algorithms.ALGORITHMS[a.name].subscribe == "all":
-        _check(len(cfg.agents) >= 2, "algorithm.name", a.name, "sharing needs at least 2 agents")
+    from hacrl.experience import RECORD_TYPES, TRAJECTORY_TYPES
+
+    _check(bool(a.subscription), "algorithm.subscription", a.subscription, "at least one stream")
+    for i, s in enumerate(a.subscription):
+        key = f"algorithm.subscription[{i}]"
+        _check(s.record_type in RECORD_TYPES, f"{key}.record_type", s.record_type,
+               f"choose from {', '.join(RECORD_TYPES)}")
+        _check(s.producers in ("self", "peers", "all"), f"{key}.producers", s.producers, "self, peers or all")
+        _check(s.verdicts is None or (isinstance(s.verdicts, list) and s.verdicts), f"{key}.verdicts",
+               s.verdicts, "null or a non-empty list of verdicts")
+    _check(any(s.record_type in TRAJECTORY_TYPES for s in a.subscription), "algorithm.subscription",
+           [s.record_type for s in a.subscription], "no stream gives training rows (trajectory or verified_success)")
+    if a.shares:
+        _check(len(cfg.agents) >= 2, "algorithm.subscription", a.name, "sharing needs at least 2 agents")
+    c = a.capability
+    _check(isinstance(c.window, int) and c.window >= 1, "algorithm.capability.window", c.window, "must be >= 1")
+    _check(0 < c.omega_min <= 1 <= c.omega_max, "algorithm.capability.omega_min", c.omega_min,
+           "need 0 < omega_min <= 1 <= omega_max")
+    _check(isinstance(c.warmup_steps, int) and c.warmup_steps >= 0, "algorithm.capability.warmup_steps",
+           c.warmup_steps, "must be >= 0")
+    h = a.thl
+    _check(h.peer_eos in ("keep_if_stopped", "drop"), "algorithm.thl.peer_eos", h.peer_eos, "keep_if_stopped or drop")
+    _check(h.segmentation in ("whitespace", "unicode_words"), "algorithm.thl.segmentation", h.segmentation,
+           "whitespace or unicode_words")
+    _check(isinstance(h.residual_sample, int) and h.residual_sample >= 0, "algorithm.thl.residual_sample",
+           h.residual_sample, "must be an integer >= 0")
     r = cfg.rollout
     _check(r.engine in ("hf",), "rollout.engine", r.engine, "known engines: hf")
     _check(isinstance(r.group_size, int) and r.group_size >= 2, "rollout.group_size",
@@ -384,16 +428,23 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
         if "." not in key and group_dir.is_dir() and value and not (group_dir / f"{value}.yaml").exists():
             options = sorted(p.stem for p in group_dir.glob("*.yaml"))
             raise ConfigError(f"{key}: invalid value {value!r} (unknown {key}; choose from {', '.join(options)})")
+    # algorithm presets name only what differs from the registered defaults, so a plain
+    # `algorithm.loss.alpha=0` may set a key its preset does not spell out: force-add those
+    # (a misspelt option is then refused by the typed validation, naming the options it has)
+    overrides = [f"++{ov}" if ov.startswith("algorithm.") else ov for ov in overrides or []]
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides or []))
+            cfg = hydra_compose(config_name="config", overrides=overrides)
     except HydraException as e:
         raise ConfigError(f"hydra: {str(e).splitlines()[0]}") from None
     data = OmegaConf.to_container(cfg, resolve=True)
     agents = data.get("agents")
     if isinstance(agents, dict):  # the group holds {pool: [...]} so that it can be swapped whole
         data["agents"] = agents.get("pool", [])
-    from_dict(data)  # validate before anything is written
+    cfg = from_dict(data)  # validate before anything is written
+    # presets name only what differs from the registered defaults; params.yaml spells out every
+    # value that runs, so that DVC sees a changed default and `dvc params diff` shows it
+    data["algorithm"] = dataclasses.asdict(cfg.algorithm)
     data["iterations"] = iteration_table(int(data["experiment"]["iterations"]))
     data["agent_names"] = [a["name"] for a in data["agents"]]
     return data

@@ -118,19 +118,27 @@ class Agent:
         return sum(p.numel() for p in self.model.parameters())
 
 
+def load_tokenizer(agent: AgentConfig, model_dir: str | Path):
+    """The agent's tokenizer as every stage sees it: ``tokenizer.path`` if set, else the model
+    directory, through ``AutoTokenizer``; left padding, pad = EOS when it has no pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(agent.tokenizer.path or model_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def load_agent(agent: AgentConfig, model_dir: str | Path, dtype: str = "fp32") -> Agent:
     """Load an agent from a Hugging Face directory (embedded or real, the same way)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"agent {agent.name}: model directory {model_dir} does not exist")
-    tok_dir = agent.tokenizer.path or model_dir
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok = load_tokenizer(agent, model_dir)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()

@@ -1,6 +1,6 @@
 """Per-token log-probabilities: the one forward pass the trainer and the checks share.
 
-Two traps make generation-time and training-time log-probs disagree (TINY_RL.md): position
+Two traps make generation-time and training-time log-probs disagree (both measured here): position
 ids under left padding (GPT-2 is off by up to 16 nats without them) and the sampling
 temperature. Both are handled here, for any padding side.
 """

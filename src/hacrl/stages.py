@@ -8,6 +8,7 @@ Every output is written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -17,8 +18,7 @@ from pathlib import Path
 
 from hacrl import data as task_data
 from hacrl.config import Config
-from hacrl.storage import (RunLayout, atomic_path, read_json, read_parquet, without_timings, write_json,
-                           write_parquet)
+from hacrl.storage import RunLayout, atomic_path, read_json, without_timings, write_json
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,8 @@ def hash_seed(*parts) -> int:
 
 def generate_rollouts(cfg: Config, t: int) -> dict:
     """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards."""
-    import pandas as pd
-
     from hacrl.engines import HFEngine, SamplingParams
+    from hacrl.experience import rollout_records, write_records
     from hacrl.pool import load_agent
 
     _set_threads(cfg)
@@ -162,19 +161,8 @@ def generate_rollouts(cfg: Config, t: int) -> dict:
                                     max_new_tokens=r.max_new_tokens,
                                     seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
             comps = engine.generate(rendered, params)
-            rows = []
-            for c in comps:
-                p = prompts[c.prompt_index]
-                rows.append({
-                    "record_id": f"it{t}/{ac.name}/{p['id']}/{c.sample_index}",
-                    "step": t, "producer": ac.name, "producer_tokenizer": ac.tokenizer_id,
-                    "prompt_id": p["id"], "problem": p["problem"], "gold": p["answer"],
-                    "level": p["level"], "rendered_prompt": rendered[c.prompt_index],
-                    "prompt_token_ids": c.prompt_token_ids, "response_text": c.text,
-                    "response_token_ids": c.token_ids, "response_logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason, "sample_index": c.sample_index,
-                })
-            write_parquet(tmp / f"{ac.name}.parquet", pd.DataFrame(rows))
+            write_records(tmp / f"{ac.name}.parquet",
+                          rollout_records(t, ac.name, ac.tokenizer_id, prompts, rendered, comps), "rollout")
             secs = time.time() - t0
             ntok = sum(len(c.token_ids) for c in comps)
             stats[ac.name] = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
@@ -187,6 +175,7 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     """math-verify every rollout against its gold answer in killable worker processes."""
     import pandas as pd
 
+    from hacrl.experience import read_records, write_records
     from hacrl.rewards import VerifierPool, reward_of
 
     lay = _layout(cfg)
@@ -194,12 +183,12 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
             VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
         for ac in cfg.agents:
-            ro = read_parquet(lay.rollouts(t) / f"{ac.name}.parquet")
+            ro = read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout")
             verdicts = pool.verify(list(zip(ro["gold"], ro["response_text"])), desc=f"verify {ac.name}")
             df = pd.DataFrame({"record_id": ro["record_id"], "producer": ac.name,
                                "prompt_id": ro["prompt_id"], "verdict": verdicts,
                                "reward": [reward_of(v) for v in verdicts]})
-            write_parquet(tmp / f"{ac.name}.parquet", df)
+            write_records(tmp / f"{ac.name}.parquet", df, "verdict")
             counts = df["verdict"].value_counts().to_dict()
             stats[ac.name] = {"reward_mean": float(df["reward"].mean()), "verdicts": counts}
             log.info("rewards %s: %s", ac.name, stats[ac.name])
@@ -208,57 +197,80 @@ def verify_rewards(cfg: Config, t: int) -> dict:
 
 
 def exchange_and_align(cfg: Config, t: int) -> dict:
-    """Publish every agent's experience records; build each learner's training input."""
-    import pandas as pd
-
-    from hacrl.algorithms import ADVANTAGES, ALGORITHMS
-    from hacrl.experience import publish, subscribe
+    """Publish every agent's typed records (SEE); build each learner's input from its
+    subscription, peers' records retokenised and aligned by THL; THL residuals per pair."""
+    from hacrl import thl
+    from hacrl.experience import LearnerView, pair_residuals, publish, read_records, subscribe, write_records
+    from hacrl.pool import load_tokenizer
 
     lay = _layout(cfg)
-    adv_fn = ADVANTAGES["grpo"]  # the producer's own group advantage, published with the record
-    stream = pd.concat([publish(read_parquet(lay.rollouts(t) / f"{a.name}.parquet"),
-                                read_parquet(lay.rewards(t) / f"{a.name}.parquet"), adv_fn,
-                                cfg.algorithm.adv_eps) for a in cfg.agents], ignore_index=True)
-    mode = ALGORITHMS[cfg.algorithm.name].subscribe
-    stats = {"records": len(stream), "subscription": mode}
+    a = cfg.algorithm
+    published = {ac.name: publish(read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout"),
+                                  read_records(lay.rewards(t) / f"{ac.name}.parquet", "verdict"))
+                 for ac in cfg.agents}
+    # one tokenizer per agent (the one it generated with is the one it learns with)
+    tokenizers = {ac.name: load_tokenizer(ac, lay.checkpoint(t - 1, ac.name)) for ac in cfg.agents}
+    stats: dict = {"records": {p: {k: len(v) for k, v in shards.items()} for p, shards in published.items()},
+                   "subscription": [dataclasses.asdict(s) for s in a.subscription]}
+    residuals: dict[str, dict] = {}
     with atomic_path(lay.exchange(t), is_dir=True) as tmp:
-        write_parquet(tmp / "experience.parquet", stream)
-        for a in cfg.agents:
-            tok = None
-            if mode != "self":  # peers' responses are retokenised with the learner's tokenizer
-                from transformers import AutoTokenizer
+        def out_of(final: Path) -> Path:  # the same place under the temporary directory
+            out = tmp / final.relative_to(lay.exchange(t))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return out
 
-                tok = AutoTokenizer.from_pretrained(a.tokenizer.path or lay.checkpoint(t - 1, a.name))
-            inp = subscribe(stream, a.name, mode, tok, a.template)
-            write_parquet(tmp / f"learner-{a.name}.parquet", inp)
-            cross = ~inp["is_self"]
-            n_peer = int((stream["producer"] != a.name).sum()) if mode != "self" else 0
-            stats[a.name] = {"samples": len(inp), "cross": int(cross.sum()),
-                             "cross_dropped_empty": n_peer - int(cross.sum()),
-                             "retokenize_mismatch": float((~inp.loc[cross, "retokenized_exact"]).mean())
-                             if cross.any() else 0.0}
-            if stats[a.name]["retokenize_mismatch"] > 0:
-                log.warning("learner %s: %.1f%% of peer responses do not survive decode(encode(text))",
-                            a.name, 100 * stats[a.name]["retokenize_mismatch"])
+        for producer, shards in published.items():
+            for rtype, df in shards.items():
+                write_records(out_of(lay.published(t, producer, rtype)), df, rtype)
+        for ac in cfg.agents:
+            view = LearnerView(ac.name, tokenizers[ac.name], ac.template)
+            inp = subscribe(published, view, a.subscription, tokenizers, a.thl)
+            write_records(out_of(lay.learner_input(t, ac.name)), inp.rows, "learner_input")
+            for rtype, df in inp.side.items():
+                write_records(out_of(lay.learner_input(t, ac.name, rtype)), df, rtype)
+            rows = inp.rows
+            cross = ~rows["is_self"].astype(bool)
+            n_peer = sum(len(v) for v in inp.exact.values())
+            stats[ac.name] = {"samples": len(rows), "cross": int(cross.sum()),
+                              "cross_dropped_empty": n_peer - int(cross.sum()),
+                              **{f"side_{k}": len(v) for k, v in inp.side.items()}}
+            for producer, als in inp.alignments.items():
+                residuals.setdefault(producer, {})[ac.name] = thl.residual_summary(als, inp.exact[producer])
+        # pairs the subscription does not retokenise are measured too (what sharing would meet)
+        for producer, shards in published.items():
+            for ac in cfg.agents:
+                if producer != ac.name and ac.name not in residuals.get(producer, {}):
+                    residuals.setdefault(producer, {})[ac.name] = pair_residuals(
+                        shards["trajectory"], tokenizers[producer], tokenizers[ac.name], a.thl, a.thl.residual_sample)
+        write_json(tmp / "thl_residuals.json", {
+            "tokenizers": {ac.name: ac.tokenizer_id for ac in cfg.agents},
+            "pairs": {p: {k: residuals[p][k] for k in sorted(residuals[p])} for p in sorted(residuals)}})
+    for producer, row in residuals.items():
+        for learner, r in row.items():
+            if r["round_trip_mismatch"] > 0:
+                log.warning("THL %s -> %s: %.1f%% of responses do not survive decode(encode(text)) in the "
+                            "learner's tokenizer", producer, learner, 100 * r["round_trip_mismatch"])
+    stats["thl"] = residuals
     return stats
 
 
 def compute_capability_stats(cfg: Config, t: int) -> dict:
     """Extend the capability history with step t: accuracy, windowed P_hat, omega, pooled stats."""
     from hacrl.capability import update_history
+    from hacrl.experience import read_records
 
     lay = _layout(cfg)
     prev = read_json(lay.capability(t - 1))
-    per_agent = {a.name: read_parquet(lay.rewards(t) / f"{a.name}.parquet") for a in cfg.agents}
-    a = cfg.algorithm
-    doc = update_history(prev, t, per_agent, a.capability_window, a.omega_min, a.omega_max,
-                         a.omega_warmup_steps)
+    per_agent = {a.name: read_records(lay.rewards(t) / f"{a.name}.parquet", "verdict") for a in cfg.agents}
+    c = cfg.algorithm.capability
+    doc = update_history(prev, t, per_agent, c.window, c.omega_min, c.omega_max, c.warmup_steps)
     write_json(lay.capability(t), doc)
     return doc
 
 
 def update_policies(cfg: Config, t: int) -> dict:
     """One policy update per learner on its training input; new HF checkpoint + recovery state."""
+    from hacrl.experience import read_records
     from hacrl.pool import load_agent
     from hacrl.update import train_learner
 
@@ -273,11 +285,13 @@ def update_policies(cfg: Config, t: int) -> dict:
             ref = None
             if cfg.algorithm.kl_coef > 0:
                 ref = load_agent(ac, lay.checkpoint(0, ac.name), cfg.trainer.dtype).model
-            batch = read_parquet(lay.exchange(t) / f"learner-{ac.name}.parquet")
+            batch = read_records(lay.learner_input(t, ac.name), "learner_input")
+            side = lay.learner_input(t, ac.name, "reward_stats")
             stats[ac.name] = train_learner(
                 agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, ac.name),
                 prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
-                ref_model=ref, omega=capability["omega"])
+                ref_model=ref, omega=capability["omega"],
+                reward_stats=read_records(side, "reward_stats") if side.exists() else None)
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
             log.info("update %s: %s", ac.name, stats[ac.name])
@@ -293,6 +307,7 @@ def evaluate(cfg: Config, t: int) -> dict:
     """Greedy pass@1 on the held-out split per agent and level; extends the run history."""
     import pandas as pd
 
+    from hacrl.experience import read_records
     from hacrl.pool import load_agent
     from hacrl.rewards import VerifierPool
     from hacrl.warmup import greedy_accuracy
@@ -310,7 +325,7 @@ def evaluate(cfg: Config, t: int) -> dict:
             m = {"eval_accuracy": acc, "eval_stderr": standard_error(acc, len(held)), "eval_n": len(held),
                  "by_level": {lvl: float(g["ok"].mean()) for lvl, g in df.groupby("level")}}
             if t > 0:
-                rw = read_parquet(lay.rewards(t) / f"{ac.name}.parquet")["reward"].dropna()
+                rw = read_records(lay.rewards(t) / f"{ac.name}.parquet", "verdict")["reward"].dropna()
                 m["train_reward"] = float(rw.mean())
                 m["train_reward_stderr"] = float(rw.std(ddof=1) / math.sqrt(len(rw))) if len(rw) > 1 else 0.0
                 us = update_stats[ac.name]

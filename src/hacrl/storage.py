@@ -160,6 +160,14 @@ class RunLayout:
     def exchange(self, t: int) -> Path:
         return self.it(t) / "exchange"
 
+    def published(self, t: int, agent: str, record_type: str) -> Path:
+        """An agent's published records of one type (SEE)."""
+        return self.exchange(t) / "published" / agent / f"{record_type}.parquet"
+
+    def learner_input(self, t: int, agent: str, record_type: str = "learner_input") -> Path:
+        """A learner's subscription: its training rows, or one of its side tables."""
+        return self.exchange(t) / "learners" / agent / f"{record_type}.parquet"
+
     def update_stats(self, t: int) -> Path:
         return self.it(t) / "update_stats.json"
 

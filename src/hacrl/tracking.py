@@ -107,13 +107,6 @@ def _numbers(d: dict, keys: tuple[str, ...] | None = None) -> dict[str, float]:
             if (keys is None or k in keys) and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-# the per-agent figures each stage contributes to the agent's run of the iteration
-_UPDATE_KEYS = ("loss", "grad_norm", "entropy", "kl_to_init", "clip_frac", "ratio_mean", "reward_mean",
-                "adv_abs_mean", "gen_vs_train_logprob_maxdiff", "tokens_per_s", "seconds", "updates",
-                "cross_samples", "cross_share", "cross_ratio_mean", "cross_ratio_min", "cross_ratio_max",
-                "cross_clipped_below", "cross_clipped_above")
-
-
 class Tracker:
     """Logs one stage execution to MLflow; see the module docstring for the run structure."""
 
@@ -291,6 +284,12 @@ class Tracker:
 
     def _on_exchange_and_align(self, parent, run_id, t, result) -> None:
         self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()}, "learner_")
+        # THL residuals per (producer, learner) pair, on the stage run
+        self._metrics(run_id, {f"thl/{p}/{ln}/{k}": v for p, row in result.get("thl", {}).items()
+                               for ln, r in row.items() for k, v in _numbers(r).items()}, t)
+        self._inputs(run_id, [(f"exchange/it{t}/published/{a.name}/{k}", self.layout.published(t, a.name, k))
+                              for a in self.cfg.agents for k in ("trajectory", "verified_success", "reward_stats")
+                              if self.layout.published(t, a.name, k).exists()], "published")
 
     def _on_compute_capability_stats(self, parent, run_id, t, result) -> None:
         vals = {f"p_hat/{a}": v for a, v in result.get("p_hat", {}).items()}
@@ -300,16 +299,17 @@ class Tracker:
         self._metrics(run_id, vals, t)
 
     def _on_update_policies(self, parent, run_id, t, result) -> None:
-        self._per_agent(parent, run_id, t, {a: _numbers(r, _UPDATE_KEYS) for a, r in self._agents(result).items()},
+        self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()},
                         "train_")
-        for a, r in self._agents(result).items():  # HACPO: the cross-clip lower bound per mini-batch
-            for m, lower in enumerate(r.get("cross_lower_bounds", [])):
-                self._metrics(self.agent_run(parent, t, a), {"train_cross_lower_bound": lower}, m)
-        ex = self.layout.exchange(t)
+        for a, r in self._agents(result).items():  # the loss's own figures per update m of the step
+            for k, series in r.get("per_update", {}).items():
+                for m, v in enumerate(series):
+                    if v is not None:
+                        self._metrics(self.agent_run(parent, t, a), {f"train_update_{k}": v}, m)
         self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts")
                      + self._shards(self.layout.rewards(t), "rewards")
-                     + [(f"exchange/it{t}/learner-{a.name}", ex / f"learner-{a.name}.parquet")
-                        for a in self.cfg.agents if (ex / f"learner-{a.name}.parquet").exists()], "training")
+                     + [(f"exchange/it{t}/learner-{a.name}", self.layout.learner_input(t, a.name))
+                        for a in self.cfg.agents if self.layout.learner_input(t, a.name).exists()], "training")
         self._register(parent, run_id, t)
 
     def _on_evaluate(self, parent, run_id, t, result) -> None:

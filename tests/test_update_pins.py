@@ -1,0 +1,89 @@
+"""The exchange-layer refactor changed how algorithms are wired, not what they compute.
+
+``tests/data/update_pins.json`` holds, per algorithm, the loss, gradient norm and a hash of the
+weights after one smoke update (tiny pool, iteration 1), produced by the code *before* the
+refactor. The same update through today's stages must reproduce them bit for bit. Rewards are
+replaced by a fixed pattern first: the barely warmed-up tiny pool scores 0, which trains nothing.
+
+Bit-identity holds for one CPU kernel family (torch's CPU capability, e.g. AVX2, recorded with
+the pins); on another the losses must still agree to 1e-6 and the hash is not compared.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, SMOKE
+
+from hacrl import config, stages
+from hacrl.experience import read_records, write_records
+from hacrl.storage import RunLayout
+
+PINS = json.loads((ROOT / "tests" / "data" / "update_pins.json").read_text())
+
+
+def _cfg(tmp, algo):
+    d = config.compose(SMOKE + [f"algorithm={algo}"])
+    d["experiment"]["runs_dir"] = str(tmp / "runs")
+    d["experiment"]["reports_dir"] = str(tmp / "reports")
+    return config.from_dict(d)
+
+
+def weights_sha256(model_dir) -> str:
+    from safetensors.torch import load_file
+
+    sd = load_file(str(model_dir / "model.safetensors"))
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pins")
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        base = _cfg(tmp, "grpo")
+        stages.prepare_data(base)
+        stages.prepare_pool(base)
+        stages.generate_rollouts(base, 1)
+        stages.verify_rewards(base, 1)
+        lay = RunLayout(base.experiment.runs_dir)
+        for a in base.agents:
+            f = lay.rewards(1) / f"{a.name}.parquet"
+            df = read_records(f, "verdict")
+            n = df["record_id"].map(lambda r: sum(map(ord, r)))
+            df["reward"] = ((n % 3) == 0).astype(float)
+            df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
+            write_records(f, df, "verdict")
+        yield tmp
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("algo", sorted(PINS["updates"]))
+def test_one_smoke_update_is_bit_identical_to_the_pinned_one(rollouts, algo):
+    import torch
+
+    cfg = _cfg(rollouts, algo)
+    cwd = os.getcwd()
+    os.chdir(rollouts)
+    try:
+        stages.exchange_and_align(cfg, 1)
+        stages.compute_capability_stats(cfg, 1)
+        got = stages.update_policies(cfg, 1)
+    finally:
+        os.chdir(cwd)
+    lay = RunLayout(cfg.experiment.runs_dir)
+    exact = torch.backends.cpu.get_cpu_capability() == PINS["cpu_capability"]
+    for agent, pin in PINS["updates"][algo].items():
+        if exact:
+            assert got[agent]["loss"] == pin["loss"] and got[agent]["grad_norm"] == pin["grad_norm"], agent
+            assert weights_sha256(lay.checkpoint(1, agent)) == pin["weights_sha256"], agent
+        else:
+            assert got[agent]["loss"] == pytest.approx(pin["loss"], rel=1e-6, abs=1e-9), agent
