@@ -77,3 +77,36 @@ def test_kl_k3_is_zero_at_the_reference_and_positive_elsewhere():
     mask = torch.ones(1, 2)
     assert kl_k3(lp, lp, mask).item() == 0.0
     assert kl_k3(lp, lp + 0.1, mask).item() > 0
+
+
+def xgrpo_inputs(r, pool_mean, pool_std):
+    n = len(r)
+    return AdvantageInputs(rewards=r, group_ids=torch.zeros(n, dtype=torch.long), is_self=torch.ones(n, dtype=torch.bool),
+                           source_ids=torch.zeros(n, dtype=torch.long), learner=0, omega=torch.ones(1, 1),
+                           producer_advantages=torch.zeros(n), pool_mean=torch.full((n,), pool_mean),
+                           pool_std=torch.full((n,), pool_std))
+
+
+def test_xgrpo_takes_the_baseline_from_the_pool():
+    from hacrl.algorithms import XgrpoAdvantageOptions
+
+    # the learner's own 4 samples (1 success); the pool's mean on the prompt is 0.5, its std 0.4
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = ADVANTAGES["xgrpo"].fn(xgrpo_inputs(r, 0.5, 0.4), XgrpoAdvantageOptions())
+    assert adv.tolist() == pytest.approx([0.5 / 0.4, -0.5 / 0.4, -0.5 / 0.4, -0.5 / 0.4], rel=1e-5)
+    # scale=own: the learner's own group std (unbiased: 0.5 here)...
+    adv = ADVANTAGES["xgrpo"].fn(xgrpo_inputs(r, 0.5, 0.4), XgrpoAdvantageOptions(scale="own"))
+    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, -1.0], rel=1e-5)
+    # ...and the pool's when the own group has no spread: all-wrong learners still get a signal
+    adv = ADVANTAGES["xgrpo"].fn(xgrpo_inputs(torch.zeros(4), 0.25, 0.5), XgrpoAdvantageOptions(scale="own"))
+    assert adv.tolist() == pytest.approx([-0.5] * 4, rel=1e-5)
+    # GRPO on the same own samples would give 0 there: the pooled baseline is what differs
+    assert group_advantage(torch.zeros(4), torch.zeros(4, dtype=torch.long), 1e-6).abs().max() == 0
+    with pytest.raises(ValueError, match="reward_stats"):
+        ADVANTAGES["xgrpo"].fn(group_inputs_without_pool_stats(r), XgrpoAdvantageOptions())
+
+
+def group_inputs_without_pool_stats(r):
+    inp = xgrpo_inputs(r, 0.0, 0.0)
+    inp.pool_mean = inp.pool_std = None
+    return inp

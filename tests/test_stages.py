@@ -170,3 +170,22 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
         assert stats["per_update"]["cross_share"] == [0.0, 1.0]
         assert 0 < stats["cross_ratio_min"] <= stats["cross_ratio_mean"] <= stats["cross_ratio_max"]
         assert stats["cross_share"] == pytest.approx(0.5)
+
+
+def test_xgrpo_trains_on_its_own_rows_with_the_pools_reward_statistics(pipeline, tmp_path):
+    import shutil
+
+    cfg, _ = pipeline
+    shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
+    cfg_x = smoke_config(tmp_path, ["algorithm=xgrpo"])
+    lay = RunLayout(cfg_x.experiment.runs_dir)
+    ex = stages.exchange_and_align(cfg_x, 1)
+    a = cfg_x.agents[0]
+    inp = read_records(lay.learner_input(1, a.name), "learner_input")
+    assert inp["is_self"].all() and set(inp["producer"]) == {a.name} and len(inp) == 64  # strictly on-policy
+    stats = read_records(lay.learner_input(1, a.name, "reward_stats"), "reward_stats")
+    assert len(stats) == 16 * 2 and set(stats["producer"]) == {p.name for p in cfg_x.agents}
+    assert ex[a.name]["side_reward_stats"] == 32
+    stages.compute_capability_stats(cfg_x, 1)
+    out = stages.update_policies(cfg_x, 1)[a.name]
+    assert out["cross_samples"] == 0 and out["updates"] == 2 and out["first_ratio_mean"] == 1.0

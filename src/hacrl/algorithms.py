@@ -237,6 +237,33 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
     return loss, metrics
 
 
+@dataclass(frozen=True)
+class XgrpoAdvantageOptions:
+    name: str = "xgrpo"
+    eps: float = 1e-6
+    scale: str = "pool"
+    """Divide by the ``pool``'s reward std on the prompt, or by the learner's ``own`` group std
+    (the pool's when the own group has no spread: its rewards are then all equal)."""
+
+    def __post_init__(self):
+        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
+        _check(self.scale in ("pool", "own"), "scale", self.scale, "pool or own")
+
+
+@register_advantage("xgrpo", XgrpoAdvantageOptions)
+def xgrpo_advantage(inp: AdvantageInputs, opts: XgrpoAdvantageOptions) -> torch.Tensor:
+    """XGRPO (value-level sharing): ``A = (r - mean_pool(q)) / (std + eps)`` on the learner's own
+    samples; the baseline is the mean reward of every subscribed producer on the prompt (only
+    these scalars cross agents, from ``reward_stats`` records)."""
+    if inp.pool_mean is None or inp.pool_std is None:
+        raise ValueError("the xgrpo advantage needs reward_stats records in the subscription")
+    std = inp.pool_std
+    if opts.scale == "own":
+        own = group_std(inp.rewards, inp.group_ids)
+        std = torch.where(own > 0, own, inp.pool_std)
+    return (inp.rewards.float() - inp.pool_mean) / (std + opts.eps)
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Low-variance KL estimator ``exp(r) - r - 1`` with ``r = ref - logp``, token mean per
     sequence, then mean over sequences."""
