@@ -302,10 +302,10 @@ class Tracker:
         self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()},
                         "train_")
         for a, r in self._agents(result).items():  # the loss's own figures per update m of the step
-            for k, series in r.get("per_update", {}).items():
-                for m, v in enumerate(series):
-                    if v is not None:
-                        self._metrics(self.agent_run(parent, t, a), {f"train_update_{k}": v}, m)
+            per = r.get("per_update", {})
+            for m in range(max(map(len, per.values()), default=0)):
+                self._metrics(self.agent_run(parent, t, a), {f"train_update_{k}": v[m] for k, v in per.items()
+                                                             if m < len(v) and v[m] is not None}, m)
         self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts")
                      + self._shards(self.layout.rewards(t), "rewards")
                      + [(f"exchange/it{t}/learner-{a.name}", self.layout.learner_input(t, a.name))
