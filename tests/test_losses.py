@@ -110,3 +110,26 @@ def group_inputs_without_pool_stats(r):
     inp = xgrpo_inputs(r, 0.0, 0.0)
     inp.pool_mean = inp.pool_std = None
     return inp
+
+
+def test_a_name_registers_once_and_options_are_typed():
+    from dataclasses import dataclass
+
+    from hacrl.algorithms import LOSSES, build_options, register_advantage, register_loss
+    from hacrl.config import ConfigError
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register_advantage("grpo", GroupAdvantageOptions)(lambda inp, opts: inp.rewards)
+    with pytest.raises(ValueError, match="level"):
+        register_loss("new-loss", ClipOptions, level="word")
+
+    @dataclass(frozen=True)
+    class NoName:
+        eps: float = 0.0
+
+    with pytest.raises(TypeError, match="name"):
+        register_advantage("nameless", NoName)
+    opts = build_options(LOSSES, {"name": "gspo", "clip_high": 1e-3}, "algorithm.loss")
+    assert isinstance(opts, GspoOptions) and (opts.clip_low, opts.clip_high) == (3e-4, 1e-3)
+    with pytest.raises(ConfigError, match=r"^algorithm.loss.clip_low: invalid value -1"):
+        build_options(LOSSES, {"name": "gspo", "clip_low": -1}, "algorithm.loss")

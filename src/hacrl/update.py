@@ -36,9 +36,9 @@ def minibatches(prompt_ids: pd.Series, prompts_per_batch: int, seed: int) -> lis
 
 
 def self_first_minibatches(prompt_ids: pd.Series, is_self: pd.Series, n_batches: int, seed: int) -> list[np.ndarray]:
-    """HACPO's order (docs/ALGORITHMS.md, "Stepwise clipping"): the learner's own samples first,
-    then the cross samples, each in a seeded prompt order, cut into ``n_batches`` contiguous
-    mini-batches."""
+    """The reference trainer's order of a pooled batch (docs/ALGORITHMS.md, "Stepwise clipping"):
+    the learner's own samples first, then the cross samples, each in a seeded prompt order, cut
+    into ``n_batches`` contiguous mini-batches."""
     groups = list(dict.fromkeys(prompt_ids.tolist()))
     random.Random(seed).shuffle(groups)
     rank = prompt_ids.map({g: i for i, g in enumerate(groups)}).to_numpy()
