@@ -187,3 +187,70 @@ def test_the_cli_reports_a_damaged_shard_in_one_line(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("hacrl: error: ") and "runs/it1/rollouts/gpt2-a.parquet" in last
     assert not (tmp_path / "runs" / "it1" / "rewards").exists()
+
+
+def test_a_metadata_less_shard_of_another_record_type_is_refused(tmp_path, published):
+    f = tmp_path / "t.parquet"
+    published["a"]["trajectory"].to_parquet(f, index=False)  # no file metadata
+    assert len(read_records(f, "trajectory")) == 6
+    with pytest.raises(SchemaError, match="holds trajectory records, expected verified_success"):
+        read_records(f, "verified_success")
+
+
+@pytest.mark.parametrize("subscription, why", [
+    ([{"record_type": "trajectory", "producers": "self"}, {"record_type": "verified_success", "producers": "all"}],
+     "overlaps stream 0"),
+    ([{"record_type": "trajectory", "producers": "all"}, {"record_type": "trajectory", "producers": "peers"}],
+     "overlaps stream 0"),
+    ([{"record_type": "trajectory", "producers": "self"}, {"record_type": "reward_stats", "producers": "all"},
+      {"record_type": "reward_stats", "producers": "self"}], "overlaps stream 1"),
+    ([{"record_type": "trajectory", "producers": "peers", "verdicts": ["corect"]}], "verdicts are correct"),
+    ([{"record_type": "trajectory", "producers": "self"},
+      {"record_type": "reward_stats", "producers": "all", "verdicts": ["correct"]}], "carry no verdict"),
+])
+def test_a_subscription_that_would_count_records_twice_or_select_nothing_is_refused(subscription, why):
+    data = config.compose([])
+    data["algorithm"]["subscription"] = subscription
+    with pytest.raises(config.ConfigError, match=why):
+        config.from_dict(data)
+    ok = config.compose([])  # disjoint streams are fine: own trajectories and peers' successes
+    ok["algorithm"]["subscription"] = [{"record_type": "trajectory", "producers": "self"},
+                                       {"record_type": "verified_success", "producers": "peers"}]
+    config.from_dict(ok)
+
+
+def test_an_estimator_is_refused_without_the_records_it_needs():
+    data = config.compose(["algorithm=xgrpo"])
+    data["algorithm"]["subscription"] = [{"record_type": "trajectory", "producers": "self"}]
+    with pytest.raises(config.ConfigError, match="the xgrpo advantage needs a reward_stats stream"):
+        config.from_dict(data)
+    data = config.compose(["algorithm=hacpo"])
+    data["algorithm"]["loss"]["alpha"] = "three"
+    with pytest.raises(config.ConfigError, match=r"^algorithm.loss: invalid options"):
+        config.from_dict(data)
+
+
+@pytest.mark.parametrize("peer_eos", ["keep_if_stopped", "drop"])
+def test_peer_eos_decides_the_eos_on_both_sides(peer_eos, tiny_problems):
+    from hacrl.config import ThlConfig, TokenizerConfig
+    from hacrl.data import completion_text
+    from hacrl.experience import adapt_response
+    from hacrl.pool import train_tokenizer
+
+    corpus = ["Q: " + p["problem"] + "\nA:" + completion_text(p["answer"]) for p in tiny_problems["train"]]
+    src = train_tokenizer(TokenizerConfig(kind="bytelevel_bpe", vocab_size=300), corpus)
+    dst = train_tokenizer(TokenizerConfig(kind="metaspace_bpe", vocab_size=100), corpus)
+    text = " \\boxed{42}"
+    ids = src(text, add_special_tokens=False)["input_ids"] + [src.eos_token_id]
+    lps = [-0.5] * (len(ids) - 1) + [-2.0]  # the EOS has its own log-prob
+    rec = pd.Series({"response_text": text, "response_token_ids": ids, "response_logprobs": lps,
+                     "finish_reason": "stop"})
+    ad = adapt_response(rec, src, dst, ThlConfig(peer_eos=peer_eos))
+    body = dst(text, add_special_tokens=False)["input_ids"]
+    if peer_eos == "drop":  # official HACPO: no EOS on either side, the mean without it
+        assert ad.ids == body and ad.behavior_mean == pytest.approx(-0.5)
+        assert ad.alignment.aligned_mass == pytest.approx(-0.5 * (len(ids) - 1))
+    else:  # the learner's EOS appended and given the producer's EOS log-prob
+        assert ad.ids == body + [dst.eos_token_id] and ad.alignment.aligned[-1] == -2.0
+        assert ad.behavior_mean == pytest.approx(sum(lps) / len(lps))
+    assert ad.alignment.aligned_mass == pytest.approx(ad.alignment.source_mass) and ad.exact

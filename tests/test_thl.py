@@ -403,13 +403,6 @@ def test_special_tokens_pair_from_the_end():
     assert a.aligned == [-1.0, -2.0, -0.5] and a.dropped_mass == -0.25 and a.source_mass == -3.5
 
 
-def test_peer_eos_option_is_the_callers():
-    spans = [(0, 2), (2, 5), None]
-    keep = align_trace("ab cd", spans, [-1.0, -2.0, -0.5], spans, ThlConfig(peer_eos="keep_if_stopped"))
-    drop = align_trace("ab cd", spans, [-1.0, -2.0, -0.5], spans, ThlConfig(peer_eos="drop"))
-    assert keep == drop
-
-
 def test_align_response_end_to_end(toks):
     src, lrn = toks["bytelevel_bpe"], toks["metaspace_bpe"]
     text = "Compute 37+45. \\boxed{82}"

@@ -38,6 +38,8 @@ class Registered:
     fn: Callable
     options: type
     level: str | None = None
+    needs: tuple[str, ...] = ()
+    """Record types the subscription must include (e.g. ``reward_stats``), checked at start-up."""
 
 
 ADVANTAGES: dict[str, Registered] = {}
@@ -45,21 +47,23 @@ LOSSES: dict[str, Registered] = {}
 LOSS_LEVELS = ("token", "sequence")
 
 
-def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None):
+def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
+              needs: tuple[str, ...] = ()):
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
         raise TypeError(f"{name}: options must be a dataclass with a 'name' field")
 
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level)
+        table[name] = Registered(name, fn, options, level, tuple(needs))
         return fn
     return deco
 
 
-def register_advantage(name: str, options: type):
-    """Register ``fn(inp: AdvantageInputs, opts) -> (N,)`` under ``name`` with its options dataclass."""
-    return _register(ADVANTAGES, name, options)
+def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
+    """Register ``fn(inp: AdvantageInputs, opts) -> (N,)`` under ``name`` with its options dataclass;
+    ``needs``: record types its inputs come from besides the training rows."""
+    return _register(ADVANTAGES, name, options, needs=needs)
 
 
 def register_loss(name: str, options: type, level: str):
@@ -74,7 +78,7 @@ def build_options(table: dict[str, Registered], section: Any, key: str):
     the key (unknown name, unknown option, invalid value)."""
     if dataclasses.is_dataclass(section):
         return section
-    if not isinstance(section, dict) or "name" not in section:
+    if not isinstance(section, dict) or not isinstance(section.get("name"), str):
         raise ConfigError(f"{key}: invalid value {section!r} (a mapping with a 'name' and its options)")
     name = section["name"]
     if name not in table:
@@ -89,6 +93,8 @@ def build_options(table: dict[str, Registered], section: Any, key: str):
         return reg.options(**section)
     except ConfigError as e:
         raise ConfigError(f"{key}.{e}") from None
+    except (TypeError, ValueError) as e:  # a value of the wrong type, e.g. alpha: "three"
+        raise ConfigError(f"{key}: invalid options {section!r} ({str(e).splitlines()[0]})") from None
 
 
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
@@ -250,7 +256,7 @@ class XgrpoAdvantageOptions:
         _check(self.scale in ("pool", "own"), "scale", self.scale, "pool or own")
 
 
-@register_advantage("xgrpo", XgrpoAdvantageOptions)
+@register_advantage("xgrpo", XgrpoAdvantageOptions, needs=("reward_stats",))
 def xgrpo_advantage(inp: AdvantageInputs, opts: XgrpoAdvantageOptions) -> torch.Tensor:
     """XGRPO (value-level sharing): ``A = (r - mean_pool(q)) / (std + eps)`` on the learner's own
     samples; the baseline is the mean reward of every subscribed producer on the prompt (only

@@ -165,8 +165,9 @@ class AlgorithmConfig:
     loss: Any = field(default_factory=lambda: {"name": "grpo"})
     """``{name: <registered loss>, <its options>}``; after validation its options dataclass."""
     subscription: list[StreamConfig] = field(default_factory=_default_subscription)
-    """What the learner takes from the experience stream; trajectory-shaped records become its
-    training rows (its own first), the other types side tables (e.g. pooled reward statistics)."""
+    """What the learner takes from the experience stream, in this order; trajectory-shaped records
+    become its training rows (within a stream its own first), the other types side tables (e.g.
+    pooled reward statistics). Streams may not overlap."""
     kl_coef: float = 0.0
     """beta of the low-variance KL (k3) to the initial model, on the learner's own samples; 0: off."""
     sample_multiplier: int = 1
@@ -336,10 +337,26 @@ def validate(cfg: Config) -> Config:
         _check(s.producers in ("self", "peers", "all"), f"{key}.producers", s.producers, "self, peers or all")
         _check(s.verdicts is None or (isinstance(s.verdicts, list) and s.verdicts), f"{key}.verdicts",
                s.verdicts, "null or a non-empty list of verdicts")
-    _check(any(s.record_type in TRAJECTORY_TYPES for s in a.subscription), "algorithm.subscription",
-           [s.record_type for s in a.subscription], "no stream gives training rows (trajectory or verified_success)")
+        if s.verdicts is not None:
+            from hacrl.rewards import VERDICTS
+
+            _check(s.record_type in TRAJECTORY_TYPES, f"{key}.verdicts", s.verdicts,
+                   f"{s.record_type} records carry no verdict")
+            _check(all(v in VERDICTS for v in s.verdicts), f"{key}.verdicts", s.verdicts,
+                   f"verdicts are {', '.join(VERDICTS)}")
+        for j, o in enumerate(a.subscription[:i]):  # a record must not reach the learner twice
+            same_rows = (s.record_type in TRAJECTORY_TYPES) == (o.record_type in TRAJECTORY_TYPES)
+            overlap = "all" in (s.producers, o.producers) or s.producers == o.producers
+            _check(not (same_rows and overlap), f"{key}", dataclasses.asdict(s),
+                   f"overlaps stream {j} ({o.record_type} from {o.producers}): records would count twice")
+    kinds = [s.record_type for s in a.subscription]
+    _check(any(k in TRAJECTORY_TYPES for k in kinds), "algorithm.subscription", kinds,
+           "no stream gives training rows (trajectory or verified_success)")
+    for need in algorithms.ADVANTAGES[a.advantage.name].needs:
+        _check(need in kinds, "algorithm.subscription", kinds,
+               f"the {a.advantage.name} advantage needs a {need} stream")
     if a.shares:
-        _check(len(cfg.agents) >= 2, "algorithm.subscription", a.name, "sharing needs at least 2 agents")
+        _check(len(cfg.agents) >= 2, "algorithm.subscription", kinds, "sharing needs at least 2 agents")
     c = a.capability
     _check(isinstance(c.window, int) and c.window >= 1, "algorithm.capability.window", c.window, "must be >= 1")
     _check(0 < c.omega_min <= 1 <= c.omega_max, "algorithm.capability.omega_min", c.omega_min,

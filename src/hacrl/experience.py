@@ -159,6 +159,10 @@ def read_records(path: str | os.PathLike, schema: str) -> pd.DataFrame:
             raise SchemaError(f"{path}: {schema} schema v{version}: field {f.name!r} has type {got}, "
                               f"expected {f.type}")
     df = pq.read_table(path).to_pandas()
+    if written is None and "record_type" in df.columns and schema in RECORD_TYPES:
+        found = set(df["record_type"]) - {schema}
+        if found:  # a file without metadata: its rows must say they are of this type
+            raise SchemaError(f"{path}: holds {sorted(found)[0]} records, expected {schema}")
     if upgrade_v1:
         df.insert(0, "record_type", "trajectory")
         df["schema_version"] = SCHEMA_VERSION

@@ -188,7 +188,10 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         summary["kl_to_init"] = summary.pop("kl")
     rewards = adv_inp.rewards
     return {"samples": len(batch), "updates": len(logs), "total_updates": opt.state.updates, **summary,
-            "first_ratio_mean": logs[0].get("ratio_mean", 1.0) if logs else 1.0,
+            # the first update's ratio on the learner's own samples (1 by construction); absent
+            # when that update holds none
+            **({"first_ratio_mean": logs[0]["ratio_mean"]}
+               if logs and np.isfinite(logs[0].get("ratio_mean", np.nan)) else {}),
             # the loss's own figures per update, in update order (null where not defined)
             "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs] for k in loss_metrics},
             "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
