@@ -3,7 +3,6 @@ math-verify); the DVC path is tested in test_e2e_dvc.py."""
 
 import os
 
-import pandas as pd
 import pytest
 
 from conftest import SMOKE
@@ -44,15 +43,15 @@ def test_rollout_records_carry_what_later_stages_need(pipeline):
     cfg, tmp = pipeline
     lay = RunLayout(cfg.experiment.runs_dir)
     for a in cfg.agents:
-        ro = pd.read_parquet(lay.rollouts(1) / f"{a.name}.parquet")
+        ro = read_records(lay.rollouts(1) / f"{a.name}.parquet", "rollout")
         assert len(ro) == 16 * 4
         assert ro.groupby("prompt_id").size().eq(4).all()
         assert set(ro["finish_reason"]) <= {"stop", "length"}
         assert all(len(i) == len(lp) > 0 for i, lp in zip(ro["response_token_ids"], ro["response_logprobs"]))
-        rw = pd.read_parquet(lay.rewards(1) / f"{a.name}.parquet")
+        rw = read_records(lay.rewards(1) / f"{a.name}.parquet", "verdict")
         assert set(rw["verdict"]) <= {"correct", "wrong", "no_answer", "timeout", "gold_unparseable"}
     # the same prompts for every agent
-    ids = [set(pd.read_parquet(lay.rollouts(1) / f"{a.name}.parquet")["prompt_id"]) for a in cfg.agents]
+    ids = [set(read_records(lay.rollouts(1) / f"{a.name}.parquet", "rollout")["prompt_id"]) for a in cfg.agents]
     assert ids[0] == ids[1]
     for a in cfg.agents:
         ex = read_records(lay.published(1, a.name, "trajectory"), "trajectory")

@@ -96,18 +96,6 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(f)
 
 
-def write_parquet(path: str | os.PathLike, df: "Any") -> None:
-    """Write a pandas DataFrame as Parquet, atomically."""
-    with atomic_path(path) as tmp:
-        df.to_parquet(tmp, index=False)
-
-
-def read_parquet(path: str | os.PathLike) -> "Any":
-    import pandas as pd
-
-    return pd.read_parquet(path)
-
-
 def clean_tmp(root: str | os.PathLike) -> int:
     """Remove debris that a killed stage left under ``root``; return how many were removed."""
     n = 0
