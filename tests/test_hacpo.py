@@ -3,6 +3,8 @@ of the capability-aware baseline by Monte Carlo."""
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -191,3 +193,111 @@ def test_capability_aware_baseline_is_unbiased_for_the_learners_expected_reward(
     # the plain pooled mean is biased towards the pool's mean for the weak and the strong agent
     plain = capability_baseline(r, g, src, 0, omega, use_capability=False, guards=False).view(prompts, -1)[:, 0]
     assert plain.mean().item() - p[0].item() > 0.2
+
+
+def test_baseline_weight_is_the_inverse_of_the_loss_coefficient_with_non_reciprocal_bounds():
+    # P_hat: learner a 0.2, source b 0.8; clamp bounds [0.1, 2] are not reciprocal, so
+    # omega[b][a] = min(0.8 / 0.2, 2) = 2 (the loss coefficient of b's samples for a) while
+    # omega[a][b] = 0.25: the baseline weights b's rewards by 1 / omega[b][a] = 0.5, not 0.25
+    om = omega_matrix({"a": 0.2, "b": 0.8}, 0.1, 2.0)
+    assert om["b"]["a"] == 2.0 and om["a"]["b"] == 0.25
+    omega = torch.tensor([[om[i][j] for j in "ab"] for i in "ab"])
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    src = torch.tensor([0, 0, 1, 1])
+    mu = capability_baseline(r, torch.zeros(4, dtype=torch.long), src, 0, omega)
+    assert mu[0].item() == pytest.approx((1 + 0 + 0.5 * 1 + 0.5 * 1) / 4)  # 0.5; omega[a][b] would give 0.375
+
+
+def test_cross_ratio_unit_learner_tokens_uses_the_aligned_trace_on_the_learners_tokens():
+    # the learner cuts the text into 4 tokens, the producer into 2 (mean -0.25 over its tokens);
+    # THL spread the producer's mass -0.5 over the learner's 4 tokens
+    logp = torch.tensor([[-0.1, -0.2, -0.3, -0.4, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    aligned = torch.tensor([[-0.05, -0.05, -0.2, -0.2, 0.0]])
+
+    def ratio(unit):
+        inp = LossInputs(logp=logp, old_logp=torch.zeros_like(logp), mask=mask, advantages=torch.tensor([1.0]),
+                         is_self=torch.tensor([False]), omega_src=torch.ones(1), behavior_logp=aligned,
+                         behavior_logp_mean=torch.tensor([-0.25]))
+        return LOSSES["hacpo"].fn(inp, HacpoLossOptions(cross_ratio_unit=unit))[1]["cross_ratio_mean"]
+
+    assert ratio("source_tokens") == pytest.approx(math.exp(-0.25 - (-0.25)))  # -1.0 / 4 vs -0.5 / 2
+    assert ratio("learner_tokens") == pytest.approx(math.exp((-1.0 + 0.5) / 4))
+
+
+@pytest.mark.parametrize("peer_eos", ["drop", "keep_if_stopped"])
+def test_learner_tokens_ratio_is_one_for_a_learner_scoring_its_own_sample_through_thl(peer_eos, tiny_problems):
+    """The learner's own response, passed through THL as if a peer had sent it, scored by the
+    learner itself: the ``learner_tokens`` ratio is exactly the identity."""
+    import pandas as pd
+
+    from conftest import make_agent
+    from hacrl.config import ThlConfig
+    from hacrl.experience import adapt_response
+    from hacrl.scoring import pack, token_logprobs
+
+    _, agent = make_agent("qwen2", "bytelevel_unigram", tiny_problems)
+    tok = agent.tokenizer
+    prompt = tok(agent.render("Compute 12+30."), add_special_tokens=False)["input_ids"]
+    texts = [" \\boxed{42}", " 2+0=2, 1+3=4, so \\boxed{42}"]
+    rows, pids, rids, aligned, means = [], [], [], [], []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            p_ids, attn, resp = pack([prompt], [ids], tok.pad_token_id)
+            lp = token_logprobs(agent.model, p_ids, attn)[0, -len(ids):].tolist()  # its generation trace
+        rec = pd.Series({"response_text": text, "response_token_ids": ids, "response_logprobs": lp,
+                         "finish_reason": "stop"})
+        ad = adapt_response(rec, tok, tok, ThlConfig(peer_eos=peer_eos))
+        assert ad.ids == (ids if peer_eos == "keep_if_stopped" else ids[:-1])
+        pids.append(prompt)
+        rids.append(ad.ids)
+        aligned.append(ad.alignment.aligned)
+        means.append(ad.behavior_mean)
+    ids, attn, resp = pack(pids, rids, tok.pad_token_id)
+    with torch.no_grad():
+        logp = token_logprobs(agent.model, ids, attn)
+    beh = torch.zeros_like(resp)
+    for i, v in enumerate(aligned):
+        beh[i, resp.shape[1] - len(v):] = torch.tensor(v)
+    inp = LossInputs(logp=logp, old_logp=logp, mask=resp, advantages=torch.ones(2), is_self=torch.zeros(2, dtype=torch.bool),
+                     omega_src=torch.ones(2), behavior_logp=beh, behavior_logp_mean=torch.tensor(means))
+    _, met = LOSSES["hacpo"].fn(inp, HacpoLossOptions(cross_ratio_unit="learner_tokens"))
+    assert met["samples"]["ratio"].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
+
+
+def test_source_block_layout_takes_the_official_updates_in_the_official_order():
+    """n sources x P prompts x G samples, mini-batches of B prompts: n x P / B updates, the
+    learner's own block first and cut exactly as an independent learner's batch, then each
+    peer's block in pool order; no mini-batch mixes sources."""
+    import pandas as pd
+
+    from hacrl.update import minibatches, source_block_minibatches
+
+    P, G, B = 8, 3, 2
+    prod = [s for s in ("b", "a", "c") for _ in range(P * G)]  # learner b first, as in learner_input
+    pid = [f"p{i // G}" for _ in range(3) for i in range(P * G)]
+    df = pd.DataFrame({"prompt_id": pid, "producer": prod})
+    mbs = source_block_minibatches(df["prompt_id"], df["producer"], ["b", "a", "c"], B, seed=7)
+    assert len(mbs) == 3 * P // B
+    assert [set(df["producer"].iloc[i]) for i in mbs] == [{"b"}] * 4 + [{"a"}] * 4 + [{"c"}] * 4
+    assert all(len(i) == B * G and df["prompt_id"].iloc[i].nunique() == B for i in mbs)
+    own = df[df["producer"] == "b"].reset_index(drop=True)
+    assert [list(i) for i in mbs[:4]] == [list(i) for i in minibatches(own["prompt_id"], B, seed=7)]
+    assert sorted(np.concatenate(mbs).tolist()) == list(range(len(df)))
+
+
+def test_source_block_sizes_that_do_not_divide_are_refused():
+    from hacrl import config
+
+    with pytest.raises(config.ConfigError, match=r"^rollout.prompts_per_iteration: .*not a whole number of "
+                                                 r"mini-batches of 64 prompts"):
+        config.compose(["algorithm=hacpo", "rollout.prompts_per_iteration=100", "trainer.mini_batch_prompts=64"])
+    # GSPO x2: 2G samples per prompt, so a GSPO-sized mini-batch holds half the prompts
+    with pytest.raises(config.ConfigError, match=r"^trainer.mini_batch_prompts: .*not a whole number of prompt groups"):
+        config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=63"])
+    cfg = config.from_dict(config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128",
+                                           "trainer.mini_batch_prompts=64"]))
+    from hacrl.update import prompts_per_update
+
+    assert prompts_per_update(cfg) == 32

@@ -114,15 +114,16 @@ def test_update_and_evaluate_finish_the_iteration(pipeline):
     assert [h["iteration"] for h in hist["iterations"]] == [0, 1]
 
 
-@pytest.mark.parametrize("algo", ["hacpo", "naive_share"])
-def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path, algo):
+@pytest.mark.parametrize("algo,extra", [("hacpo", []), ("naive_share", []),
+                                        ("hacpo", ["algorithm.minibatch_order=self_first"])])
+def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path, algo, extra):
     import shutil
 
     from transformers import AutoTokenizer
 
     cfg, _ = pipeline
     shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
-    cfg_s = smoke_config(tmp_path, [f"algorithm={algo}"])
+    cfg_s = smoke_config(tmp_path, [f"algorithm={algo}", *extra])
     lay = RunLayout(cfg_s.experiment.runs_dir)
     ex = stages.exchange_and_align(cfg_s, 1)
     a, b = cfg_s.agents
@@ -156,19 +157,33 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
         assert len(row.behavior_logprobs_aligned) == len(row.input_response_ids)
         spans = token_spans(toks[row.producer], list(row.response_token_ids), row.response_text)
         if None not in spans[:-1]:
-            assert sum(row.behavior_logprobs_aligned) == pytest.approx(sum(row.response_logprobs), abs=1e-6)
+            lps = list(row.response_logprobs)
+            if (cfg_s.algorithm.thl.peer_eos == "drop" and row.finish_reason == "stop"
+                    and row.response_token_ids[-1] == toks[row.producer].eos_token_id):
+                lps = lps[:-1]  # the producer's terminal EOS is not part of a cross sample
+            assert sum(row.behavior_logprobs_aligned) == pytest.approx(sum(lps), abs=1e-6)
             checked += 1
     assert checked >= 16
     stages.compute_capability_stats(cfg_s, 1)
     stats = stages.update_policies(cfg_s, 1)[a.name]
-    assert stats["cross_samples"] == 64 and stats["updates"] == 2
-    if algo == "hacpo":
-        # self_first: mini-batch 0 holds the 64 self samples (ratio exactly 1), mini-batch 1 the cross
-        assert stats["first_ratio_mean"] == 1.0
+    assert stats["cross_samples"] == 64
+    if extra:  # self_first: ceil(P / B) = 2 updates; mini-batch 0 the 64 self samples, 1 the cross
+        assert stats["updates"] == 2 and stats["first_ratio_mean"] == 1.0
         assert stats["per_update"]["cross_lower_bound"] == pytest.approx([0.8, 0.825])
         assert stats["per_update"]["cross_share"] == [0.0, 1.0]
+        return
+    # source_blocks (reference): n x P / B = 2 x 16 / 8 updates of 8 x 4 samples, the two self-only
+    # updates first; m counts them all, so the first cross update has m = 2 (bound 0.85)
+    assert stats["updates"] == 4 and stats["first_ratio_mean"] == 1.0
+    assert stats[f"ratio/{b.name}/n"] == 64 and stats[f"ratio/{a.name}/n"] == 64
+    assert 0 < stats[f"ratio/{b.name}/q10"] <= stats[f"ratio/{b.name}/q50"] <= stats[f"ratio/{b.name}/q90"]
+    assert 0 <= stats["cross_objective_share"] <= 1
+    if algo == "hacpo":
+        assert stats["per_update"]["cross_share"] == [0.0, 0.0, 1.0, 1.0]
+        assert stats["per_update"]["cross_lower_bound"] == pytest.approx([0.8, 0.825, 0.85, 0.875])
         assert 0 < stats["cross_ratio_min"] <= stats["cross_ratio_mean"] <= stats["cross_ratio_max"]
         assert stats["cross_share"] == pytest.approx(0.5)
+        assert 0 <= stats[f"ratio/{b.name}/clipped_below"] <= 1
 
 
 def test_xgrpo_trains_on_its_own_rows_with_the_pools_reward_statistics(pipeline, tmp_path):

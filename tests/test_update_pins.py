@@ -23,9 +23,17 @@ from hacrl.storage import RunLayout
 
 PINS = json.loads((ROOT / "tests" / "data" / "update_pins.json").read_text())
 
+# the presets that have since moved to the HACPO reference trainer's update layout and EOS
+# handling: their earlier behaviour, pinned here, stays available as named options
+EARLIER = {
+    "hacpo": ["algorithm.minibatch_order=self_first", "algorithm.thl.peer_eos=keep_if_stopped"],
+    "naive_share": ["algorithm.minibatch_order=prompt_groups", "algorithm.thl.peer_eos=keep_if_stopped"],
+    "gspo_x2": ["algorithm.minibatch_order=prompt_groups"],
+}
+
 
 def _cfg(tmp, algo):
-    d = config.compose(SMOKE + [f"algorithm={algo}"])
+    d = config.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []))
     d["experiment"]["runs_dir"] = str(tmp / "runs")
     d["experiment"]["reports_dir"] = str(tmp / "reports")
     return config.from_dict(d)

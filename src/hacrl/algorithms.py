@@ -9,7 +9,9 @@ The contract (one call shape each):
 - an advantage estimator: ``fn(inp: AdvantageInputs, opts) -> advantages (N,)``;
 - a policy loss: ``fn(inp: LossInputs, opts) -> (loss, metrics)``, registered with its level:
   ``token`` (per-token ratios on the learner's tokens) or ``sequence`` (one length-normalised
-  ratio per sample).
+  ratio per sample). ``metrics`` maps names to floats; it may also hold ``samples``, a dict of
+  (B,) tensors per sample (``ratio``, ``term``: the sample's surrogate, ``clipped_below``,
+  ``clipped_above``), from which the trainer reports ratio distributions per source.
 
 Each is registered with the dataclass of its options; a YAML section ``{name: ..., <options>}``
 builds that dataclass field for field, so every knob has one name from YAML to the function.
@@ -239,7 +241,10 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
     loss = -surr.mean()
     with torch.no_grad():
         clipped = ((s < 1 - opts.clip_low) | (s > 1 + opts.clip_high)).float()
-        metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item()}
+        metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item(),
+                   "samples": {"ratio": s.detach(), "term": surr.detach(),
+                               "clipped_below": (s < 1 - opts.clip_low).float(),
+                               "clipped_above": (s > 1 + opts.clip_high).float()}}
     return loss, metrics
 
 
@@ -272,9 +277,12 @@ def xgrpo_advantage(inp: AdvantageInputs, opts: XgrpoAdvantageOptions) -> torch.
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Low-variance KL estimator ``exp(r) - r - 1`` with ``r = ref - logp``, token mean per
-    sequence, then mean over sequences."""
+    sequence, then mean over the sequences the mask selects (a row without any masked token,
+    e.g. a cross sample, neither counts nor dilutes the mean)."""
     r = ref_logp - logp
-    return masked_mean(torch.exp(r) - r - 1, mask, dim=1).mean()
+    rows = mask.sum(1) > 0
+    per_seq = masked_mean(torch.exp(r) - r - 1, mask, dim=1)
+    return per_seq[rows].mean() if bool(rows.any()) else per_seq.sum() * 0
 
 
 # ----------------------------------------------------------------------------- HACPO
@@ -288,14 +296,16 @@ def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_i
                         learner: int, omega: torch.Tensor, use_capability: bool = True,
                         guards: bool = True) -> torch.Tensor:
     """HACPO's baseline ``mu^(k)`` per sample: the mean over the prompt's pooled rewards, each
-    source j's rewards weighted by ``omega[k, j]`` (learner over source, clamped).
+    source j's rewards weighted by ``1 / omega[j, k]``, the exact inverse of the discrepancy
+    coefficient the loss gives j's samples (as the reference trainer does). It equals
+    ``omega[k, j]`` only when the clamp bounds are reciprocal (omega_min = 1 / omega_max).
 
     ``use_capability=False`` is the plain pooled mean (ablation). Guards of the reference code:
     all rewards of the prompt equal -> their plain mean; a weighted mean above 1 -> the mean of
     the learner's own rewards of the prompt.
     """
     r = rewards.float()
-    w = omega[learner, source_ids].float() if use_capability else torch.ones_like(r)
+    w = 1.0 / omega[source_ids, learner].float() if use_capability else torch.ones_like(r)
     inv, n = _group_index(group_ids)
 
     def gsum(x: torch.Tensor) -> torch.Tensor:
@@ -373,6 +383,12 @@ class HacpoLossOptions:
     """...raised by this much per update (stepwise clipping); 0 is ``-stepwise``."""
     log_ratio_clamp: float = 10.0
     """Clamp of the cross log-ratio."""
+    cross_ratio_unit: str = "source_tokens"
+    """The cross ratio's denominator. ``source_tokens`` (reference): the producer's mean generation
+    log-prob over its own tokens, against the learner's mean over its tokens, so the ratio also
+    measures how differently the two tokenizers cut the text; ``learner_tokens``: the producer's
+    trace aligned onto the learner's tokens by THL, both means over the learner's tokens, i.e.
+    the per-learner-token likelihood ratio of the same text."""
     discrepancy_coef: bool = True
     """Multiply cross samples by ``omega[source, learner]``; False is ``-omega``."""
     sg_on: str = "clipped"
@@ -389,6 +405,8 @@ class HacpoLossOptions:
         _check(0 <= self.cross_clip_delta <= 1, "cross_clip_delta", self.cross_clip_delta, "must be in [0, 1]")
         _check(self.cross_clip_delta_step >= 0, "cross_clip_delta_step", self.cross_clip_delta_step, "must be >= 0")
         _check(self.log_ratio_clamp > 0, "log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
+        _check(self.cross_ratio_unit in ("source_tokens", "learner_tokens"), "cross_ratio_unit",
+               self.cross_ratio_unit, "source_tokens or learner_tokens")
         _check(self.sg_on in ("clipped", "raw"), "sg_on", self.sg_on, "clipped or raw")
         _check(self.aggregation in ("pooled_mean", "split"), "aggregation", self.aggregation, "pooled_mean or split")
 
@@ -404,13 +422,16 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
 
     ``log s = mean over the learner's tokens of its log-probs - old``, where old is, for a self
     sample, the learner's old policy on the same tokens (GSPO's ratio) and, for a cross sample,
-    the producer's generation log-prob mean over *its own* tokens. Self: ``min(s A, clip(s,
+    the producer's generation log-prob mean over *its own* tokens (``source_tokens``) or over the
+    learner's tokens of its THL-aligned trace (``learner_tokens``). Self: ``min(s A, clip(s,
     1-eps_l, 1+eps_h) A)``; cross: ``c sg[c]^alpha omega A`` with ``c = clip(s, lower_m, 1)``.
     Loss = -mean (or -(mean self + mean cross)).
     """
     is_self = inp.is_self
     new_mean = masked_mean(inp.logp, inp.mask, dim=1)
-    old_mean = torch.where(is_self, masked_mean(inp.old_logp, inp.mask, dim=1), inp.behavior_logp_mean)
+    producer_mean = (inp.behavior_logp_mean if opts.cross_ratio_unit == "source_tokens"
+                     else masked_mean(inp.behavior_logp, inp.mask, dim=1))
+    old_mean = torch.where(is_self, masked_mean(inp.old_logp, inp.mask, dim=1), producer_mean)
     log_s = (new_mean - old_mean).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
     s = torch.exp(log_s)
     a = inp.advantages.float()
@@ -441,5 +462,11 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
             "ratio_mean": float(ss.mean()) if ss.numel() else float("nan"),
             "clip_frac": float(((ss < 1 - opts.clip_low) | (ss > 1 + opts.clip_high)).float().mean())
             if ss.numel() else float("nan"),
+            # the share of this update's |objective| that cross samples carry
+            "cross_objective_share": float(per[cross].abs().sum() / per.abs().sum())
+            if float(per.abs().sum()) > 0 else 0.0,
+            "samples": {"ratio": s.detach(), "term": per.detach(),
+                        "clipped_below": torch.where(is_self, s < 1 - opts.clip_low, s < lower).float(),
+                        "clipped_above": torch.where(is_self, s > 1 + opts.clip_high, s > 1.0).float()},
         }
     return loss, metrics

@@ -173,8 +173,13 @@ class AlgorithmConfig:
     sample_multiplier: int = 1
     """Samples per prompt = rollout.group_size * this (GSPO x2 uses 2)."""
     minibatch_order: str = "prompt_groups"
-    """``prompt_groups``: mini-batches of whole prompt groups in seeded order, reshuffled per epoch;
-    ``self_first``: the learner's own samples first, then the others', no shuffle (HACPO reference)."""
+    """The update layout (docs/ALGORITHMS.md, "Update layout"). ``prompt_groups``: mini-batches of
+    ``trainer.mini_batch_prompts`` whole prompt groups in seeded order, reshuffled per epoch;
+    ``source_blocks`` (HACPO reference trainer): one block per source, the learner's own first,
+    each cut into mini-batches of ``mini_batch_prompts * group_size`` samples (whole prompt
+    groups), none mixing sources, no shuffle, so a learner of n sources takes n times the
+    updates; ``self_first`` (the earlier layout here): own samples first, then the others', cut
+    into ceil(P / mini_batch_prompts) mini-batches that may mix sources."""
     capability: CapabilityConfig = field(default_factory=CapabilityConfig)
     thl: ThlConfig = field(default_factory=ThlConfig)
 
@@ -325,8 +330,18 @@ def validate(cfg: Config) -> Config:
     _check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     _check(isinstance(a.sample_multiplier, int) and a.sample_multiplier >= 1,
            "algorithm.sample_multiplier", a.sample_multiplier, "must be an integer >= 1")
-    _check(a.minibatch_order in ("prompt_groups", "self_first"), "algorithm.minibatch_order",
-           a.minibatch_order, "prompt_groups or self_first")
+    _check(a.minibatch_order in ("prompt_groups", "source_blocks", "self_first"), "algorithm.minibatch_order",
+           a.minibatch_order, "prompt_groups, source_blocks or self_first")
+    if a.minibatch_order == "source_blocks":  # as the reference trainer validates its sizes
+        per_update = cfg.trainer.mini_batch_prompts * cfg.rollout.group_size
+        _check(per_update % cfg.samples_per_prompt == 0, "trainer.mini_batch_prompts", cfg.trainer.mini_batch_prompts,
+               f"source_blocks: a mini-batch of {per_update} samples is not a whole number of prompt groups "
+               f"of {cfg.samples_per_prompt} samples")
+        mb = per_update // cfg.samples_per_prompt
+        _check(cfg.rollout.prompts_per_iteration % mb == 0, "rollout.prompts_per_iteration",
+               cfg.rollout.prompts_per_iteration,
+               f"source_blocks: a source block of {cfg.rollout.prompts_per_iteration} prompts is not a whole "
+               f"number of mini-batches of {mb} prompts")
     from hacrl.experience import RECORD_TYPES, TRAJECTORY_TYPES
 
     _check(bool(a.subscription), "algorithm.subscription", a.subscription, "at least one stream")

@@ -36,14 +36,54 @@ def minibatches(prompt_ids: pd.Series, prompts_per_batch: int, seed: int) -> lis
 
 
 def self_first_minibatches(prompt_ids: pd.Series, is_self: pd.Series, n_batches: int, seed: int) -> list[np.ndarray]:
-    """The reference trainer's order of a pooled batch (docs/ALGORITHMS.md, "Stepwise clipping"):
-    the learner's own samples first, then the cross samples, each in a seeded prompt order, cut
-    into ``n_batches`` contiguous mini-batches."""
+    """Layout ``self_first`` (this project's earlier HACPO layout): the learner's own samples
+    first, then the cross samples, each in a seeded prompt order, cut into ``n_batches``
+    contiguous mini-batches, so a mini-batch may mix sources."""
     groups = list(dict.fromkeys(prompt_ids.tolist()))
     random.Random(seed).shuffle(groups)
     rank = prompt_ids.map({g: i for i, g in enumerate(groups)}).to_numpy()
     order = np.lexsort((np.arange(len(rank)), rank, ~is_self.to_numpy()))
     return [b for b in np.array_split(order, max(1, n_batches)) if len(b)]
+
+
+def source_block_minibatches(prompt_ids: pd.Series, producers: pd.Series, sources: list[str],
+                             prompts_per_batch: int, seed: int) -> list[np.ndarray]:
+    """Layout ``source_blocks`` (the HACPO reference trainer, docs/ALGORITHMS.md "Update layout"):
+    one block per source in the order of ``sources`` (the learner first), each block cut into
+    mini-batches of ``prompts_per_batch`` whole prompt groups in the seeded prompt order that
+    :func:`minibatches` gives; no mini-batch mixes sources. The learner's own block is cut exactly
+    as an independent learner's batch would be."""
+    prod = producers.to_numpy()
+    out = []
+    for src in sources:
+        rows = np.flatnonzero(prod == src)
+        if len(rows):
+            out += [rows[b] for b in minibatches(prompt_ids.iloc[rows].reset_index(drop=True), prompts_per_batch, seed)]
+    return out
+
+
+def prompts_per_update(cfg: Config) -> int:
+    """Prompt groups per mini-batch. ``prompt_groups`` and ``self_first``: ``mini_batch_prompts``;
+    ``source_blocks``: as many samples per update as an independent learner with G samples per
+    prompt takes (``mini_batch_prompts * group_size`` samples), so GSPO x2 (2G per prompt)
+    takes half the prompts per update and twice the updates."""
+    tc = cfg.trainer
+    if cfg.algorithm.minibatch_order != "source_blocks":
+        return tc.mini_batch_prompts
+    return tc.mini_batch_prompts * cfg.rollout.group_size // cfg.samples_per_prompt
+
+
+def layout(batch: pd.DataFrame, cfg: Config, learner: str, seed: int) -> list[np.ndarray]:
+    """Row indices of the learner's mini-batches, in update order (see ``AlgorithmConfig.minibatch_order``)."""
+    order = cfg.algorithm.minibatch_order
+    if order == "self_first":
+        n_prompts = batch["prompt_id"].nunique()
+        return self_first_minibatches(batch["prompt_id"], batch["is_self"],
+                                      -(-n_prompts // cfg.trainer.mini_batch_prompts), seed)
+    if order == "source_blocks":
+        sources = [learner] + [a.name for a in cfg.agents if a.name != learner]
+        return source_block_minibatches(batch["prompt_id"], batch["producer"], sources, prompts_per_update(cfg), seed)
+    return minibatches(batch["prompt_id"], cfg.trainer.mini_batch_prompts, seed)
 
 
 def pool_tensors(cfg: Config, omega: dict | None) -> tuple[list[str], torch.Tensor]:
@@ -86,6 +126,41 @@ def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor
     return out
 
 
+def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray, learner: str) -> dict:
+    """Step-level figures from the per-sample values a loss returned (its ``samples`` entry),
+    collected over every update: per source, the distribution of the sequence ratio (mean,
+    quantiles, min / max, share clipped below / above when the loss reports those) as
+    ``ratio/<source>/<figure>``; and ``cross_objective_share``, the share of the summed
+    |objective| (each sample's surrogate term over its mini-batch size) carried by cross samples.
+    """
+    cols: dict[str, list] = {}
+    src, weight = [], []
+    for idx, vals in samples:
+        src.append(producers[idx])
+        weight.append(np.full(len(idx), 1.0 / max(1, len(idx))))
+        for k, v in vals.items():
+            cols.setdefault(k, []).append(v.numpy())
+    src = np.concatenate(src)
+    cat = {k: np.concatenate(v) for k, v in cols.items()}
+    out: dict = {}
+    if "ratio" in cat:
+        for s in dict.fromkeys(src.tolist()):
+            sel = src == s
+            r = cat["ratio"][sel]
+            q = np.quantile(r, [0.1, 0.5, 0.9])
+            fig = {"mean": float(r.mean()), "q10": float(q[0]), "q50": float(q[1]), "q90": float(q[2]),
+                   "min": float(r.min()), "max": float(r.max()), "n": int(sel.sum())}
+            for k in ("clipped_below", "clipped_above"):
+                if k in cat:
+                    fig[k] = float(cat[k][sel].mean())
+            out.update({f"ratio/{s}/{k}": v for k, v in fig.items()})
+    if "term" in cat:
+        w = np.abs(cat["term"]) * np.concatenate(weight)
+        total = float(w.sum())
+        out["cross_objective_share"] = float(w[src != learner].sum()) / total if total > 0 else 0.0
+    return out
+
+
 def _summary(logs: list[dict]) -> dict:
     """Per-update metrics of the loss -> one figure each (keys ending in _min / _max: the min /
     max over updates; others: the mean), over the updates where the metric is finite; a metric
@@ -105,8 +180,9 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
 
     ``omega``: the step's capability ratios ``omega[a][b]``; ``reward_stats``: the reward
     statistics its subscription took, if any. The configured estimator and loss are looked up
-    by name; nothing here depends on which algorithm runs. Every algorithm takes one optimizer
-    step per ``trainer.mini_batch_prompts`` prompts.
+    by name; nothing here depends on which algorithm runs. The mini-batches follow
+    ``algorithm.minibatch_order`` (:func:`layout`); m, the update index the loss sees, counts
+    every update of the step.
 
     Raises :class:`hacrl.trainer.NonFiniteLossError` on a NaN/inf loss; the caller then
     writes no checkpoint.
@@ -120,12 +196,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     behavior_mean = torch.tensor(batch["behavior_logprob_mean"].to_numpy(), dtype=torch.float32)
     # omega[source][learner] of each sample: the discrepancy coefficient
     omega_src = adv_inp.omega[adv_inp.source_ids, adv_inp.learner]
-    if a.minibatch_order == "self_first":
-        n_prompts = batch["prompt_id"].nunique()
-        mbs = self_first_minibatches(batch["prompt_id"], batch["is_self"],
-                                     -(-n_prompts // tc.mini_batch_prompts), seed)
-    else:
-        mbs = minibatches(batch["prompt_id"], tc.mini_batch_prompts, seed)
+    mbs = layout(batch, cfg, agent.name, seed)
     pad = agent.tokenizer.pad_token_id
     packed = []
     for idx in mbs:
@@ -157,12 +228,12 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         if ref_model is not None:
             ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature) for _, ids, attn, *_ in packed]
 
-    logs, loss_metrics = [], {}
+    logs, loss_metrics, samples = [], {}, []
     rng = random.Random(seed)
     order = list(range(len(packed)))
     update_index = 0  # m: the optimizer update's index within this step (all epochs)
     for epoch in range(tc.epochs):
-        if epoch > 0 and a.minibatch_order != "self_first":
+        if epoch > 0 and a.minibatch_order == "prompt_groups":
             rng.shuffle(order)
         for m in order:
             idx, ids, attn, resp, _, behavior = packed[m]
@@ -173,8 +244,12 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                                            behavior_logp_mean=behavior_mean[idx], update_index=update_index),
                                 a.loss)
             update_index += 1
+            per_sample = met.pop("samples", None)
+            if per_sample is not None:
+                samples.append((idx, {k: v.detach().float() for k, v in per_sample.items()}))
             loss_metrics.update(dict.fromkeys(met))
-            kl = kl_k3(logp, ref[m], resp * sf[:, None]) if ref else None  # KL on self samples
+            # KL on self samples only; an update without any (a cross block) has no KL term
+            kl = kl_k3(logp, ref[m], resp * sf[:, None]) if ref and bool(sf.any()) else None
             if kl is not None:
                 loss = loss + a.kl_coef * kl
             gn = opt.step(loss)
@@ -187,6 +262,8 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     if "kl" in summary:
         summary["kl_to_init"] = summary.pop("kl")
     rewards = adv_inp.rewards
+    if samples:
+        summary.update(sample_figures(samples, batch["producer"].to_numpy(), agent.name))
     return {"samples": len(batch), "updates": len(logs), "total_updates": opt.state.updates, **summary,
             # the first update's ratio on the learner's own samples (1 by construction); absent
             # when that update holds none
