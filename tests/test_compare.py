@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.compare import SUITES, auc
+from hacrl.compare import SUITES, auc, paired_difference, verdict
 
 pytestmark = pytest.mark.slow
 
@@ -20,15 +20,31 @@ def test_auc_is_mean_accuracy_over_the_rollout_budget():
     assert auc([0, 20, 40], [0.0, 1.0, 1.0], 10) == pytest.approx(0.25)  # interpolated at the budget
 
 
+def test_differences_are_paired_by_seed():
+    def run(c, seed, acc):
+        return {"contender": c, "seed": seed, "agents": {"a": {"eval_accuracy": [0.1, acc]}}}
+
+    # b beats a by exactly 2 points on every seed, while the seeds themselves spread by 10 points:
+    # paired, the difference is certain (s.e. 0); unpaired it would be lost in the spread
+    res = [run("a", 0, 0.30), run("b", 0, 0.32), run("a", 1, 0.40), run("b", 1, 0.42), run("a", 2, 0.50), run("b", 2, 0.52)]
+    d = paired_difference(res, "a", "b", "a")
+    assert d["mean"] == pytest.approx(0.02) and d["se"] == pytest.approx(0, abs=1e-12) and d["seeds"] == 3
+    assert verdict(d) == "holds" and verdict(paired_difference(res, "a", "a", "b")) == "reversed"
+    noisy = [run("a", 0, 0.30), run("b", 0, 0.35), run("a", 1, 0.40), run("b", 1, 0.38)]
+    d = paired_difference(noisy, "a", "b", "a")
+    assert d["se"] == pytest.approx(0.035) and verdict(d) == "within noise"
+    assert paired_difference(res, "a", "b", "missing") is None
+
+
 def test_smoke_suite_writes_the_comparison_report(tmp_path):
     cmd = [sys.executable, "-m", "hacrl.cli", "--log-level", "WARNING", "compare", "--suite", "hacpo", "--seeds", "2",
            "--work-dir", str(tmp_path / "w"), "--reports-dir", str(tmp_path / "r"),
            *SMOKE, "experiment.iterations=1", "rollout.prompts_per_iteration=16", "trainer.mini_batch_prompts=8"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
-    out = tmp_path / "r" / "hacpo"
+    out = tmp_path / "r" / "hacpo" / "default"
     res = json.loads((out / "results.json").read_text())
-    contenders = set(SUITES["hacpo"]["contenders"])
+    contenders = set(SUITES["hacpo"]["settings"]["default"]["contenders"])
     assert {r["contender"] for r in res["runs"]} == contenders and len(res["runs"]) == 2 * len(contenders)
     by = {(r["contender"], r["seed"]): r for r in res["runs"]}
     # gspo_x2 generates twice the rollouts per iteration; the others the same
@@ -36,8 +52,16 @@ def test_smoke_suite_writes_the_comparison_report(tmp_path):
     # the same prepared pool: every contender starts from the same iteration-0 accuracy
     start = {r["agents"]["gpt2-a"]["eval_accuracy"][0] for r in res["runs"]}
     assert len(start) == 1
+    # the suite's KL reaches every contender; the reference layout doubles HACPO's updates
+    train = {c: by[(c, 0)]["agents"]["gpt2-a"]["train"][0] for c in contenders}
+    assert all(t["kl_to_init"] >= 0 for t in train.values())
+    assert train["gspo"]["updates"] == 2 and train["hacpo"]["updates"] == 4 and train["hacpo_self_first"]["updates"] == 2
+    assert train["gspo_x2"]["updates"] == 4  # half the prompts per update
+    assert 0 <= train["hacpo"]["ratio/llama-b/clipped_below"] <= 1
     readme = (out / "README.md").read_text()
-    assert "HACPO above GSPO for every agent" in readme and "ablation -stepwise" in readme
+    assert "HACPO above GSPO x2" in readme and "ablation -stepwise" in readme and "KL: coefficient 0.001" in readme
     for png in ("accuracy_vs_iterations.png", "accuracy_vs_rollouts.png"):
         assert (out / png).stat().st_size > 1000
     assert set(res["table"]["agents"]["gpt2-a"]) == contenders
+    index = (tmp_path / "r" / "hacpo" / "README.md").read_text()
+    assert "## `default`" in index and "naive sharing below GSPO" in index

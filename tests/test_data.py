@@ -79,3 +79,34 @@ def test_malformed_row_fails_with_file_and_line_or_is_skipped(tmp_path, bad_line
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(data.DataError, match="does not exist"):
         data.load_problems(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.parametrize("level", ["add", "sub", "add3", "mul", "frac"])
+def test_worked_solutions_are_correct_arithmetic_ending_in_the_answer(level):
+    import re
+
+    for p in data.generate_split("train", 150, {level: 1.0}, 99, 0.2, 3):
+        text = data.target_text(p, "worked")
+        body, _, tail = text.rpartition(", so ")
+        assert tail == data.completion_text(p["answer"]).lstrip(), text
+        for step in body.strip().split(", "):
+            lhs, _, rhs = step.split(" over ")[0].partition("=")  # frac: "1+2=3 over 7"
+            assert re.fullmatch(r"[\d+\-*]+", lhs) and int(rhs) == eval(lhs), (p["problem"], step)  # noqa: S307
+        assert data.target_text(p) == data.completion_text(p["answer"])
+    # the written column method: units first, carries and borrows shown
+    assert data.worked_solution({"problem": "Compute 47+38.", "answer": "85", "level": "add"}) == \
+        " 7+8=15, 4+3+1=8, so \\boxed{85}"
+    assert data.worked_solution({"problem": "Compute 74-46.", "answer": "28", "level": "sub"}) == \
+        " 14-6=8, 7-1-4=2, so \\boxed{28}"
+
+
+def test_worked_solutions_need_the_procedural_task():
+    from hacrl import config
+
+    with pytest.raises(data.DataError, match="no worked solution for level 'all'"):
+        data.worked_solution({"id": "x", "problem": "What is 2+2?", "answer": "4", "level": "all"})
+    d = config.compose(["data=arith_worked"])
+    assert d["data"]["completion"] == "worked"
+    d["data"].update(source="files", train_path=__file__, heldout_path=__file__)
+    with pytest.raises(config.ConfigError, match="^data.completion: .*procedural task only"):
+        config.from_dict(d)

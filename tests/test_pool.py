@@ -68,3 +68,25 @@ def test_unigram_ids_are_the_same_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             .stdout.strip().splitlines()[-1] for _ in range(3)}
     assert len(outs) == 1
+
+
+def test_the_shared_tokenizer_pool_trains_one_tokenizer_for_both_agents(tiny_problems):
+    """agents=embedded_shared_tok: the same tokenizer configuration and template give the
+    identical tokenizer (same vocabulary, same ids), so THL is the identity between them."""
+    from hacrl import config
+    from hacrl.data import completion_text
+    from hacrl.pool import build_model, train_tokenizer
+
+    cfg = config.from_dict(config.compose(["agents=embedded_shared_tok"]))
+    small, large = cfg.agents
+    assert small.tokenizer == large.tokenizer and small.template == large.template and small.arch == large.arch
+    toks = []
+    for ac in (small, large):
+        corpus = [ac.template.replace("{problem}", p["problem"]) + completion_text(p["answer"])
+                  for p in tiny_problems["train"]]
+        toks.append(train_tokenizer(ac.tokenizer, corpus))
+    assert toks[0].get_vocab() == toks[1].get_vocab()
+    text = " 7+8=15, 4+3+1=8, so \\boxed{85}"
+    assert toks[0](text)["input_ids"] == toks[1](text)["input_ids"]
+    sizes = [build_model(ac, toks[0]).num_parameters() for ac in (small, large)]
+    assert sizes[1] > 4 * sizes[0]

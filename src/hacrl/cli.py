@@ -127,7 +127,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from hacrl.compare import run_suite
 
     contenders = args.contenders.split(",") if args.contenders else None
-    out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders)
+    out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting)
     print(f"report: {out / 'README.md'}")
     return 0
 
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=cmd_run)
     cp = sub.add_parser("compare", help="run a comparison suite (e.g. hacpo) and write reports/<suite>/")
     cp.add_argument("--suite", default="hacpo")
+    cp.add_argument("--setting", default="default",
+                    help="the suite's setting (hacpo: default, shared_tok, worked); reports/<suite>/<setting>/")
     cp.add_argument("--seeds", type=int, default=3)
     cp.add_argument("--contenders", default=None, help="comma-separated subset (default: the whole suite)")
     cp.add_argument("--work-dir", default="compare", help="scratch directory (pool, per-run state)")

@@ -38,20 +38,59 @@ HACPO_ABLATIONS = {
     "hacpo-stepwise": ["algorithm.loss.cross_clip_delta_step=0"],
 }
 
+HACPO_CONTENDERS = {
+    "grpo": ["algorithm=grpo"],
+    "gspo": ["algorithm=gspo"],
+    "gspo_x2": ["algorithm=gspo_x2"],
+    "naive_share": ["algorithm=naive_share"],
+    "hacpo": ["algorithm=hacpo"],  # the reference trainer's layout, EOS and ratio
+    "hacpo_learner_tokens": ["algorithm=hacpo", "algorithm.loss.cross_ratio_unit=learner_tokens"],
+    # one change of the reference set-up each: what moved the result
+    "hacpo_self_first": ["algorithm=hacpo", "algorithm.minibatch_order=self_first"],
+    "hacpo_keep_eos": ["algorithm=hacpo", "algorithm.thl.peer_eos=keep_if_stopped"],
+    **{k: ["algorithm=hacpo", *v] for k, v in HACPO_ABLATIONS.items()},
+}
+CORE = ["gspo", "gspo_x2", "naive_share", "hacpo", "hacpo_learner_tokens"]
+
+# the paper's step shape (128 prompts, 8 samples per agent, mini-batches of 64 prompts) and the
+# reference runs' KL (0.001, k3, on self samples) for every contender alike
+HACPO_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "algorithm.kl_coef=0.001"]
+
 SUITES: dict[str, dict] = {
     "hacpo": {
-        # the paper's step shape (128 prompts, 8 samples per agent, mini-batches of 64 prompts)
-        "base": ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "experiment.iterations=6"],
-        "contenders": {
-            "grpo": ["algorithm=grpo"],
-            "gspo": ["algorithm=gspo"],
-            "gspo_x2": ["algorithm=gspo_x2"],
-            "naive_share": ["algorithm=naive_share"],
-            "hacpo": ["algorithm=hacpo"],
-            **{k: ["algorithm=hacpo", *v] for k, v in HACPO_ABLATIONS.items()},
+        "settings": {
+            "default": {"about": "the embedded pool (three tokenizers), boxed answers",
+                        "base": [*HACPO_STEP, "experiment.iterations=6"],
+                        "contenders": list(HACPO_CONTENDERS)},
+            "shared_tok": {"about": "two agents sharing one tokenizer at two sizes (agents=embedded_shared_tok)",
+                           "base": [*HACPO_STEP, "experiment.iterations=6", "agents=embedded_shared_tok"],
+                           "contenders": CORE},
+            "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
+                       "base": [*HACPO_STEP, "experiment.iterations=5", "data=arith_worked",
+                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],
+                       "contenders": CORE},
         },
+        "all": HACPO_CONTENDERS,
     },
 }
+
+# the claims checked per agent: (text, better contender, worse contender)
+CLAIMS = [
+    ("HACPO above GSPO x2", "hacpo", "gspo_x2"),
+    ("GSPO x2 above GSPO", "gspo_x2", "gspo"),
+    ("HACPO above GSPO", "hacpo", "gspo"),
+    ("naive sharing below GSPO", "gspo", "naive_share"),
+    ("HACPO above naive sharing", "hacpo", "naive_share"),
+    ("HACPO above GRPO", "hacpo", "grpo"),
+    ("ratio over learner tokens above the reference ratio", "hacpo_learner_tokens", "hacpo"),
+    ("reference layout above the mixed self_first layout", "hacpo", "hacpo_self_first"),
+    ("dropping the peer's terminal EOS above keeping it", "hacpo", "hacpo_keep_eos"),
+    *[(f"ablation {k.replace('hacpo', '')} costs accuracy", "hacpo", k) for k in HACPO_ABLATIONS],
+]
+
+# the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
+TRAIN_KEYS = ("cross_objective_share", "cross_ratio_mean", "cross_clipped_below", "cross_clipped_above",
+              "kl_to_init", "updates", "reward_mean")
 
 
 def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> config_mod.Config:
@@ -98,9 +137,14 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
     res = {"contender": name, "seed": seed, "algorithm": cfg.algorithm.name, "seconds": round(time.time() - t0, 1),
            "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
            "rollouts_per_agent_per_iteration": per_iter, "agents": {}}
+    lay = RunLayout(cfg.experiment.runs_dir)
+    updates = [read_json(lay.update_stats(t)) for t in range(1, cfg.experiment.iterations + 1)]
     for a in agents:
         acc = [h["agents"][a]["eval_accuracy"] for h in history["iterations"]]
-        res["agents"][a] = {"eval_accuracy": acc, "rollouts": [per_iter * t for t in range(len(acc))]}
+        train = [{k: v for k, v in u.get(a, {}).items()
+                  if (k in TRAIN_KEYS or k.startswith("ratio/")) and isinstance(v, (int, float))} for u in updates]
+        res["agents"][a] = {"eval_accuracy": acc, "rollouts": [per_iter * t for t in range(len(acc))],
+                            "train": train}
     shutil.rmtree(run_dir / "runs", ignore_errors=True)  # checkpoints are not kept: only the curves
     return res
 
@@ -115,8 +159,34 @@ def auc(x: list[float], y: list[float], budget: float) -> float:
     return float(np.trapezoid(grid_y, grid_x) / budget)
 
 
+def paired_difference(results: list[dict], agent: str, hi: str, lo: str) -> dict | None:
+    """Final accuracy of ``hi`` minus ``lo`` for ``agent``, paired by seed (the same pool, prompts
+    and sampling seed): mean, standard error of the mean difference, seeds; None if not both ran."""
+    final = {(r["contender"], r["seed"]): r["agents"][agent]["eval_accuracy"][-1] for r in results}
+    seeds = sorted({s for c, s in final if c == hi} & {s for c, s in final if c == lo})
+    if not seeds:
+        return None
+    d = np.array([final[(hi, s)] - final[(lo, s)] for s in seeds])
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return {"mean": float(d.mean()), "se": se, "seeds": len(d)}
+
+
+def verdict(diff: dict) -> str:
+    """``holds`` / ``reversed`` when the paired mean difference is beyond 2 standard errors in the
+    claimed / opposite direction, else ``within noise``."""
+    if not np.isfinite(diff["se"]):
+        return "holds" if diff["mean"] > 0 else "reversed"
+    if diff["mean"] > 2 * diff["se"]:
+        return "holds"
+    if diff["mean"] < -2 * diff["se"]:
+        return "reversed"
+    return "within noise"
+
+
 def summarize(results: list[dict]) -> dict:
-    """Per agent and contender: final accuracy and equal-budget AUC, mean and std over seeds."""
+    """Per agent and contender: final accuracy and equal-budget AUC, mean and std over seeds; the
+    training diagnostics (cross ratios, cross share of the objective, KL) averaged over iterations
+    and seeds."""
     agents = list(results[0]["agents"])
     contenders = list(dict.fromkeys(r["contender"] for r in results))
     budget = min(r["agents"][a]["rollouts"][-1] for r in results for a in agents)
@@ -128,49 +198,54 @@ def summarize(results: list[dict]) -> dict:
             final = [r["agents"][a]["eval_accuracy"][-1] for r in rs]
             areas = [auc(r["agents"][a]["rollouts"], r["agents"][a]["eval_accuracy"], budget) for r in rs]
             curve = np.mean([r["agents"][a]["eval_accuracy"] for r in rs], axis=0).tolist()
+            train = [x for r in rs for x in r["agents"][a].get("train", [])]
+            keys = dict.fromkeys(k for x in train for k in x)
             rows[c] = {"final_mean": float(np.mean(final)), "final_std": float(np.std(final, ddof=1)) if len(final) > 1 else 0.0,
                        "auc_mean": float(np.mean(areas)), "auc_std": float(np.std(areas, ddof=1)) if len(areas) > 1 else 0.0,
                        "seeds": len(rs), "mean_curve": curve,
-                       "rollouts": rs[0]["agents"][a]["rollouts"]}
+                       "rollouts": rs[0]["agents"][a]["rollouts"],
+                       "train": {k: float(np.mean([x[k] for x in train if k in x])) for k in keys}}
         table["agents"][a] = rows
     return table
 
 
-def findings(table: dict) -> list[dict]:
-    """The paper's claims (docs/ALGORITHMS.md, "What the HACPO paper reports"), checked on the final
-    accuracy means."""
+def findings(results: list[dict]) -> list[dict]:
+    """The paper's claims and the one-change contrasts (:data:`CLAIMS`), per agent, as paired
+    differences of the final held-out accuracy (mean +- s.e. over seeds) with a verdict."""
     out = []
-    agents = table["agents"]
-
-    def final(a, c):
-        return agents[a][c]["final_mean"] if c in agents[a] else float("nan")
-
-    def se(a, c1, c2):
-        r1, r2 = agents[a][c1], agents[a][c2]
-        return math.sqrt(r1["final_std"] ** 2 / r1["seeds"] + r2["final_std"] ** 2 / r2["seeds"])
-
-    def claim(text, pairs):
-        diffs = [(a, final(a, hi) - final(a, lo), se(a, hi, lo)) for a, hi, lo in pairs
-                 if hi in agents[a] and lo in agents[a]]
-        if not diffs:
-            return
-        holds = all(d > 0 for _, d, _ in diffs)
-        out.append({"claim": text, "reproduces": holds,
-                    "differences": {f"{a}": {"points": round(100 * d, 2), "stderr_points": round(100 * s, 2)}
-                                    for a, d, s in diffs}})
-
-    names = list(agents)
-    for base in ("gspo", "gspo_x2"):
-        claim(f"HACPO above {base.upper().replace('_X2', ' x2')} for every agent",
-              [(a, "hacpo", base) for a in names])
-    claim("naive sharing below independent training (GSPO) for every agent", [(a, "gspo", "naive_share") for a in names])
-    for abl in HACPO_ABLATIONS:
-        claim(f"ablation {abl.replace('hacpo', '')} costs accuracy for every agent", [(a, "hacpo", abl) for a in names])
+    agents = list(results[0]["agents"])
+    for text, hi, lo in CLAIMS:
+        diffs = {a: d for a in agents if (d := paired_difference(results, a, hi, lo)) is not None}
+        if diffs:
+            out.append({"claim": text, "better": hi, "worse": lo,
+                        "differences": {a: {"points": round(100 * d["mean"], 2),
+                                            "stderr_points": round(100 * d["se"], 2),
+                                            "seeds": d["seeds"], "verdict": verdict(d)} for a, d in diffs.items()},
+                        "reproduces": all(verdict(d) == "holds" for d in diffs.values())})
     return out
 
 
-def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, overrides: list[str]) -> Path:
-    """``reports/<suite>/``: results.json, table.md, README.md, accuracy plots."""
+def _train_figures(row: dict, agent: str) -> str:
+    """One table cell: the cross ratio's median and share clipped below per peer, the cross
+    share of the objective and the KL, as the learner saw them (means over iterations and seeds)."""
+    t = row.get("train", {})
+    parts = []
+    for k, v in t.items():
+        if k.startswith("ratio/") and k.endswith("/q50") and k.split("/")[1] != agent:
+            peer = k.split("/")[1]
+            below = t.get(f"ratio/{peer}/clipped_below")
+            parts.append(f"{peer}: {v:.3f}" + (f" ({100 * below:.0f}% below)" if below is not None else ""))
+    if "cross_objective_share" in t:
+        parts.append(f"cross share {100 * t['cross_objective_share']:.0f}%")
+    if "kl_to_init" in t:
+        parts.append(f"KL {t['kl_to_init']:.4f}")
+    return "; ".join(parts) or "-"
+
+
+def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, overrides: list[str],
+                 setting: str = "", about: str = "") -> Path:
+    """``reports/<suite>/<setting>/``: results.json, README.md (tables, paired differences,
+    findings), accuracy plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,11 +253,11 @@ def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = summarize(results)
-    found = findings(table)
+    found = findings(results)
     seeds = sorted({r["seed"] for r in results})
-    write_json(out_dir / "results.json", {"suite": suite, "seeds": seeds, "overrides": overrides,
-                                          "wall_seconds": round(wall_s, 1), "runs": results, "table": table,
-                                          "findings": found})
+    write_json(out_dir / "results.json", {"suite": suite, "setting": setting, "about": about, "seeds": seeds,
+                                          "overrides": overrides, "wall_seconds": round(wall_s, 1), "runs": results,
+                                          "table": table, "findings": found})
     agents = list(table["agents"])
     for xkey, fname, xlabel in (("iterations", "accuracy_vs_iterations.png", "iteration"),
                                 ("rollouts", "accuracy_vs_rollouts.png", "rollouts generated per agent")):
@@ -199,48 +274,91 @@ def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, 
         fig.tight_layout()
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
-    lines = [f"# Comparison suite `{suite}`", "",
+    title = f"# Comparison suite `{suite}`" + (f", setting `{setting}`" if setting else "")
+    kl = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm.kl_coef=")), None)
+    lines = [title, "", *([about, ""] if about else []),
              f"Seeds {seeds}; overrides {' '.join(overrides) or '(none)'}; wall time {wall_s / 60:.1f} min "
-             f"(pool prepared once). Final = held-out greedy accuracy after the last iteration, mean +- std "
-             f"over seeds; AUC = mean accuracy over the first {table['budget_rollouts_per_agent']} rollouts "
-             "each agent generated (the budget every contender reached: the equal-cost view).", ""]
+             "(pool prepared once). "
+             + (f"KL: coefficient {kl} (k3 to the initial model, on the learner's own samples) for every "
+                "contender alike. " if kl else "KL: off. ")
+             + "Final = held-out greedy accuracy after the last iteration, mean +- std over seeds; AUC = mean "
+             f"accuracy over the first {table['budget_rollouts_per_agent']} rollouts each agent generated (the "
+             "budget every contender reached: the equal-cost view). Training figures: the cross ratio's median per "
+             "peer and the share of cross samples below the clip window, the share of the |objective| carried by "
+             "cross samples, the KL (means over iterations and seeds).", ""]
     for a in agents:
-        lines += [f"## {a}", "", "| contender | final (%) | AUC at equal rollouts (%) |", "|---|---|---|"]
+        lines += [f"## {a}", "", "| contender | final (%) | AUC at equal rollouts (%) | training |", "|---|---|---|---|"]
         for c, row in table["agents"][a].items():
             lines.append(f"| {c} | {100 * row['final_mean']:.1f} +- {100 * row['final_std']:.1f} | "
-                         f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} |")
+                         f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
         lines.append("")
-    lines += ["## The paper's findings, here", ""]
+    lines += ["## Claims, paired by seed", "",
+              "Difference of final held-out accuracy (better - worse) in points, mean +- standard error over seeds "
+              "(same pool, prompts and sampling seed per pair); *holds* / *reversed*: beyond 2 s.e. either way.", "",
+              "| claim | " + " | ".join(agents) + " |", "|---|" + "---|" * len(agents)]
     for f in found:
-        figs = ", ".join(f"{a} {d['points']:+.1f} (se {d['stderr_points']:.1f})" for a, d in f["differences"].items())
-        lines.append(f"- {f['claim']}: **{'reproduces' if f['reproduces'] else 'does not reproduce'}** "
-                     f"(differences in points: {figs})")
-    lines += ["", "Plots: `accuracy_vs_iterations.png`, `accuracy_vs_rollouts.png`. Raw curves: `results.json`.", ""]
+        cells = []
+        for a in agents:
+            d = f["differences"].get(a)
+            cells.append(f"{d['points']:+.1f} +- {d['stderr_points']:.1f} {d['verdict']}" if d else "-")
+        lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
+    lines += ["", "Plots: `accuracy_vs_iterations.png`, `accuracy_vs_rollouts.png`. Raw curves and per-iteration "
+              "training figures: `results.json`.", ""]
     (out_dir / "README.md").write_text("\n".join(lines))
     return out_dir
 
 
+def write_index(suite_dir: Path, suite: str) -> Path:
+    """``reports/<suite>/README.md``: each setting's headline claims side by side."""
+    lines = [f"# Comparison suite `{suite}`", "", "One directory per setting, each with its own README, plots "
+             "and results.json. Headline: paired differences of final held-out accuracy in points "
+             "(mean +- s.e. over seeds) and their verdict.", ""]
+    for res_file in sorted(suite_dir.glob("*/results.json")):
+        res = read_json(res_file)
+        setting = res.get("setting") or res_file.parent.name
+        agents = list(res["table"]["agents"])
+        lines += [f"## `{setting}`: {res.get('about', '')}", "",
+                  f"{len(res['seeds'])} seeds, {len(res['runs'])} runs, {res['wall_seconds'] / 60:.0f} min. "
+                  f"[details]({res_file.parent.name}/README.md)", "",
+                  "| claim | " + " | ".join(agents) + " |", "|---|" + "---|" * len(agents)]
+        for f in res["findings"]:
+            cells = [(f"{d['points']:+.1f} +- {d['stderr_points']:.1f} {d['verdict']}"
+                      if (d := f["differences"].get(a)) else "-") for a in agents]
+            lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    (suite_dir / "README.md").write_text("\n".join(lines))
+    return suite_dir / "README.md"
+
+
 def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_dir: str | os.PathLike = "compare",
-              reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None) -> Path:
-    """Run ``suite`` for ``seeds`` seeds (0..seeds-1) and write ``reports/<suite>/``."""
+              reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
+              setting: str = "default") -> Path:
+    """Run ``suite`` in ``setting`` for ``seeds`` seeds (0..seeds-1) and write
+    ``reports/<suite>/<setting>/`` and the suite's index."""
     if suite not in SUITES:
         raise config_mod.ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
-    chosen = contenders or list(spec["contenders"])
-    unknown = [c for c in chosen if c not in spec["contenders"]]
+    if setting not in spec["settings"]:
+        raise config_mod.ConfigError(f"setting: invalid value {setting!r} (choose from {', '.join(spec['settings'])})")
+    st = spec["settings"][setting]
+    chosen = contenders or list(st["contenders"])
+    unknown = [c for c in chosen if c not in spec["all"]]
     if unknown:
-        raise config_mod.ConfigError(f"contenders: invalid value {unknown} (choose from {', '.join(spec['contenders'])})")
-    base_overrides = spec["base"] + list(overrides or [])
-    out = Path(work_dir).resolve() / suite
+        raise config_mod.ConfigError(f"contenders: invalid value {unknown} (choose from {', '.join(spec['all'])})")
+    base_overrides = st["base"] + list(overrides or [])
+    out = Path(work_dir).resolve() / suite / setting
     t0 = time.time()
     prepare_base(base_overrides, out)
     results = []
     from tqdm import tqdm
 
     jobs = [(c, s) for s in range(seeds) for c in chosen]
-    for c, s in tqdm(jobs, desc=f"compare {suite}"):
-        r = run_contender(c, base_overrides + spec["contenders"][c], s, out)
+    for c, s in tqdm(jobs, desc=f"compare {suite}/{setting}"):
+        r = run_contender(c, base_overrides + spec["all"][c], s, out)
         log.info("%s seed %d: %s (%.0fs)", c, s, {a: round(v["eval_accuracy"][-1], 3) for a, v in r["agents"].items()},
                  r["seconds"])
         results.append(r)
-    return write_report(results, suite, Path(reports_dir).resolve() / suite, time.time() - t0, base_overrides)
+    suite_dir = Path(reports_dir).resolve() / suite
+    report = write_report(results, suite, suite_dir / setting, time.time() - t0, base_overrides, setting, st["about"])
+    write_index(suite_dir, suite)
+    return report

@@ -59,6 +59,10 @@ class DataConfig:
     heldout_path: str | None = None
     on_bad_row: str = "error"
     """``error``: a malformed row fails with file and line; ``skip``: skipped and counted."""
+    completion: str = "answer"
+    """What the warm-up targets write after the prompt: the boxed ``answer`` alone, or a short
+    ``worked`` solution before it (procedural task only; responses of tens of tokens, so raise
+    ``rollout.max_new_tokens`` and ``eval.max_new_tokens`` to match)."""
 
 
 @dataclass
@@ -407,6 +411,9 @@ def validate(cfg: Config) -> Config:
     d = cfg.data
     _check(d.source in ("procedural", "files"), "data.source", d.source, "procedural or files")
     _check(d.on_bad_row in ("error", "skip"), "data.on_bad_row", d.on_bad_row, "error or skip")
+    _check(d.completion in ("answer", "worked"), "data.completion", d.completion, "answer or worked")
+    _check(d.completion == "answer" or d.source == "procedural", "data.completion", d.completion,
+           "worked solutions exist for the procedural task only")
     if d.source == "procedural":
         for lvl, w in d.levels.items():
             _check(lvl in KNOWN_LEVELS, f"data.levels.{lvl}", w, f"unknown level; choose from {', '.join(KNOWN_LEVELS)}")

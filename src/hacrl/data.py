@@ -189,6 +189,77 @@ def completion_text(answer: str) -> str:
     return f" \\boxed{{{answer}}}"
 
 
+COMPLETIONS = ("answer", "worked")
+"""What the warm-up teaches an agent to write (``data.completion``): the boxed ``answer`` alone,
+or a short ``worked`` solution (column sums with carries, borrows, partial results) before it."""
+
+
+def _digits(n: int, width: int) -> list[int]:
+    """The decimal digits of ``n``, units first, padded with zeros to ``width``."""
+    return [(n // 10**i) % 10 for i in range(width)]
+
+
+def _column_add(a: int, b: int) -> list[str]:
+    width = max(len(str(a)), len(str(b)))
+    steps, carry = [], 0
+    for x, y in zip(_digits(a, width), _digits(b, width)):
+        s = x + y + carry
+        steps.append(f"{x}+{y}" + ("+1" if carry else "") + f"={s}")
+        carry = s // 10
+    return steps
+
+
+def _column_sub(a: int, b: int) -> list[str]:
+    width = len(str(a))
+    steps, borrow = [], 0
+    for x, y in zip(_digits(a, width), _digits(b, width)):
+        top = x - borrow
+        borrow = 1 if top < y else 0
+        steps.append((f"1{x}" if borrow else f"{x}") + ("-1" if top != x else "") + f"-{y}={top + 10 * borrow - y}")
+    return steps
+
+
+def _column_mul(a: int, b: int) -> list[str]:
+    steps, carry = [], 0
+    for x in _digits(a, len(str(a))):
+        s = x * b + carry
+        steps.append(f"{x}*{b}" + (f"+{carry}" if carry else "") + f"={s}")
+        carry = s // 10
+    return steps
+
+
+def worked_solution(problem: Problem) -> str:
+    """A short worked solution of a procedural problem, then its boxed answer: the written
+    column method, units first (``add``, ``sub``, ``mul``), partial results (``add3``), the sum
+    of numerators (``frac``). Only the boxed answer is scored."""
+    import re
+
+    expr = problem["problem"].removeprefix("Compute ").removesuffix(".")
+    nums = [int(x) for x in re.findall(r"\d+", expr)]
+    level = problem.get("level")
+    if level == "add":
+        steps = _column_add(*nums)
+    elif level == "sub":
+        steps = _column_sub(*nums)
+    elif level == "add3":
+        a, b, c = nums
+        steps = [f"{a}+{b}={a + b}", f"{a + b}-{c}={a + b - c}"]
+    elif level == "mul":
+        steps = _column_mul(*nums)
+    elif level == "frac":
+        a, d, b, _ = nums
+        steps = [f"{a}+{b}={a + b} over {d}"]
+    else:
+        raise DataError(f"problem {problem.get('id')!r}: no worked solution for level {level!r} "
+                        "(data.completion=worked needs the procedural task)")
+    return " " + ", ".join(steps) + ", so" + completion_text(problem["answer"])
+
+
+def target_text(problem: Problem, completion: str = "answer") -> str:
+    """The warm-up's target after the prompt: see :data:`COMPLETIONS`."""
+    return worked_solution(problem) if completion == "worked" else completion_text(problem["answer"])
+
+
 def prompts_for_iteration(train: list[Problem], n: int, seed: int, iteration: int) -> list[Problem]:
     """The step's prompts: the same for every agent, chosen from seed and iteration."""
     r = random.Random(f"{seed}/prompts/{iteration}")

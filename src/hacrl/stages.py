@@ -94,7 +94,7 @@ def prepare_pool(cfg: Config) -> dict:
             if ac.path is not None:
                 shutil.copytree(ac.path, tmp_ckpts / ac.name)
             else:
-                corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.completion_text(p["answer"])
+                corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.target_text(p, cfg.data.completion)
                           for p in splits["train"]]
                 tok = train_tokenizer(ac.tokenizer, corpus)
                 save_agent(Agent(ac.name, tok, build_model(ac, tok), ac.template), tmp_ckpts / ac.name)
@@ -105,14 +105,21 @@ def prepare_pool(cfg: Config) -> dict:
                    "arch": agent.model.config.model_type,
                    "tokenizer": ac.tokenizer_id,
                    "round_trip_mismatch": round_trip_mismatch(agent.tokenizer, [
-                       agent.render(p["problem"]) + task_data.completion_text(p["answer"])
+                       agent.render(p["problem"]) + task_data.target_text(p, cfg.data.completion)
                        for p in splits["dev"][:200]])}
             if rec["round_trip_mismatch"] > 0:
                 log.warning("agent %s: tokenizer decode(encode(text)) != text for %.1f%% of task texts",
                             ac.name, 100 * rec["round_trip_mismatch"])
+            longest = 1 + max(len(agent.tokenizer(task_data.target_text(p, cfg.data.completion),
+                                                  add_special_tokens=False)["input_ids"]) for p in splits["dev"])
+            budget = min(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+            if longest > budget:  # responses get cut before the answer: warm-up and RL learn little
+                log.warning("agent %s: the longest %s target is %d tokens with EOS, above max_new_tokens %d "
+                            "(rollout.max_new_tokens / eval.max_new_tokens)", ac.name, cfg.data.completion,
+                            longest, budget)
             if ac.warmup.max_steps > 0:
                 rec["warmup"] = warm_up(agent, ac.warmup, splits["train"], splits["dev"], ver,
-                                        cfg.experiment.seed, cfg.eval.max_new_tokens)
+                                        cfg.experiment.seed, cfg.eval.max_new_tokens, cfg.data.completion)
             save_agent(agent, tmp_ckpts / ac.name)
             rec["seconds"] = round(time.time() - t0, 1)
             records[ac.name] = rec

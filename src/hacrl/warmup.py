@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hacrl.config import WarmupConfig
-from hacrl.data import completion_text
+from hacrl.data import target_text
 from hacrl.engines import HFEngine, SamplingParams
 from hacrl.pool import Agent
 from hacrl.rewards import CORRECT, VerifierPool
@@ -36,11 +36,12 @@ def greedy_accuracy(agent: Agent, problems: list[dict], verifier: VerifierPool,
 
 
 def warm_up(agent: Agent, cfg: WarmupConfig, train: list[dict], dev: list[dict],
-            verifier: VerifierPool, seed: int, max_new_tokens: int) -> dict:
-    """Train ``agent`` in place; return its warm-up record (steps, dev curve, seconds)."""
+            verifier: VerifierPool, seed: int, max_new_tokens: int, completion: str = "answer") -> dict:
+    """Train ``agent`` in place; return its warm-up record (steps, dev curve, seconds).
+    ``completion``: what the targets hold after the prompt (``data.completion``)."""
     tok = agent.tokenizer
     prompts = tok([agent.render(p["problem"]) for p in train], add_special_tokens=False)["input_ids"]
-    targets = tok([completion_text(p["answer"]) for p in train], add_special_tokens=False)["input_ids"]
+    targets = tok([target_text(p, completion) for p in train], add_special_tokens=False)["input_ids"]
     targets = [t + [tok.eos_token_id] for t in targets]
     rng = random.Random(f"{seed}/warmup/{agent.name}")
     torch.manual_seed(rng.randrange(2**31))
