@@ -20,6 +20,22 @@ def test_auc_is_mean_accuracy_over_the_rollout_budget():
     assert auc([0, 20, 40], [0.0, 1.0, 1.0], 10) == pytest.approx(0.25)  # interpolated at the budget
 
 
+@pytest.mark.parametrize("setting", sorted(SUITES["hacpo"]["settings"]))
+def test_every_contender_of_every_setting_composes(setting):
+    """Sizes the reference layout refuses, an unknown key or a misspelt preset would fail here at
+    once rather than an hour into a suite run."""
+    from hacrl import config
+
+    st = SUITES["hacpo"]["settings"][setting]
+    for c in st["contenders"]:
+        cfg = config.from_dict(config.compose(st["base"] + SUITES["hacpo"]["all"][c]))
+        assert cfg.algorithm.kl_coef == 0.001 and cfg.rollout.prompts_per_iteration == 128, c
+        if setting == "shared_tok":
+            assert len({a.tokenizer.kind for a in cfg.agents}) == 1
+        if setting == "worked":
+            assert cfg.data.completion == "worked" and cfg.rollout.max_new_tokens >= 40
+
+
 def test_differences_are_paired_by_seed():
     def run(c, seed, acc):
         return {"contender": c, "seed": seed, "agents": {"a": {"eval_accuracy": [0.1, acc]}}}

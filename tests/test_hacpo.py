@@ -301,3 +301,15 @@ def test_source_block_sizes_that_do_not_divide_are_refused():
     from hacrl.update import prompts_per_update
 
     assert prompts_per_update(cfg) == 32
+
+
+def test_only_samples_inside_their_window_count_as_carrying_gradient():
+    # cross ratios 0.5 (below 0.8), 0.9 (inside), 1.5 (above 1); self ratio 1.1 with A > 0 is
+    # clipped by GSPO's window (no gradient), self ratio 0.5 with A > 0 is not (min picks s A)
+    new = torch.log(torch.tensor([0.5, 0.9, 1.5, 1.1, 0.5]))
+    old = torch.zeros(5)
+    is_self = torch.tensor([False, False, False, True, True])
+    _, met = _loss(new, old, torch.ones(5), is_self, torch.ones(5))
+    assert met["samples"]["active"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
+    _, met = _loss(new, old, torch.ones(5), is_self, torch.ones(5), cross_clip=False)
+    assert met["samples"]["active"].tolist()[:3] == [1.0, 1.0, 1.0]

@@ -10,8 +10,9 @@ The contract (one call shape each):
 - a policy loss: ``fn(inp: LossInputs, opts) -> (loss, metrics)``, registered with its level:
   ``token`` (per-token ratios on the learner's tokens) or ``sequence`` (one length-normalised
   ratio per sample). ``metrics`` maps names to floats; it may also hold ``samples``, a dict of
-  (B,) tensors per sample (``ratio``, ``term``: the sample's surrogate, ``clipped_below``,
-  ``clipped_above``), from which the trainer reports ratio distributions per source.
+  (B,) tensors per sample (``ratio``, ``term``: the sample's surrogate, ``active``: 1 where the
+  surrogate passes a gradient, ``clipped_below``, ``clipped_above``), from which the trainer
+  reports ratio distributions per source and the share of the objective cross samples carry.
 
 Each is registered with the dataclass of its options; a YAML section ``{name: ..., <options>}``
 builds that dataclass field for field, so every knob has one name from YAML to the function.
@@ -227,6 +228,12 @@ def grpo_loss(inp: LossInputs, opts: ClipOptions):
     return loss, metrics
 
 
+def clip_active(s: torch.Tensor, a: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """1 where ``min(s A, clip(s, low, high) A)`` passes a gradient to ``s``: not when the clipped
+    branch is the minimum (A > 0 above ``high``, A < 0 below ``low``)."""
+    return (~(((a > 0) & (s > high)) | ((a < 0) & (s < low)))).float()
+
+
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(1/|y|) sum_t [log pi(y_t) - log pi_old(y_t)]`` per sequence: (B,)."""
     return masked_mean(logp - old_logp, mask, dim=1)
@@ -243,6 +250,7 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
         clipped = ((s < 1 - opts.clip_low) | (s > 1 + opts.clip_high)).float()
         metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item(),
                    "samples": {"ratio": s.detach(), "term": surr.detach(),
+                               "active": clip_active(s, a, 1 - opts.clip_low, 1 + opts.clip_high),
                                "clipped_below": (s < 1 - opts.clip_low).float(),
                                "clipped_above": (s > 1 + opts.clip_high).float()}}
     return loss, metrics
@@ -466,6 +474,9 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
             "cross_objective_share": float(per[cross].abs().sum() / per.abs().sum())
             if float(per.abs().sum()) > 0 else 0.0,
             "samples": {"ratio": s.detach(), "term": per.detach(),
+                        "active": torch.where(is_self, clip_active(s, a, 1 - opts.clip_low, 1 + opts.clip_high),
+                                              ((s >= lower) & (s <= 1.0)).float() if opts.cross_clip
+                                              else torch.ones_like(s)),
                         "clipped_below": torch.where(is_self, s < 1 - opts.clip_low, s < lower).float(),
                         "clipped_above": torch.where(is_self, s > 1 + opts.clip_high, s > 1.0).float()},
         }

@@ -89,7 +89,7 @@ CLAIMS = [
 ]
 
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
-TRAIN_KEYS = ("cross_objective_share", "cross_ratio_mean", "cross_clipped_below", "cross_clipped_above",
+TRAIN_KEYS = ("cross_objective_share", "cross_gradient_share", "cross_ratio_mean", "cross_clipped_below", "cross_clipped_above",
               "kl_to_init", "updates", "reward_mean")
 
 
@@ -235,8 +235,10 @@ def _train_figures(row: dict, agent: str) -> str:
             peer = k.split("/")[1]
             below = t.get(f"ratio/{peer}/clipped_below")
             parts.append(f"{peer}: {v:.3f}" + (f" ({100 * below:.0f}% below)" if below is not None else ""))
-    if "cross_objective_share" in t:
-        parts.append(f"cross share {100 * t['cross_objective_share']:.0f}%")
+    if "cross_gradient_share" in t:
+        parts.append(f"cross share of the gradient-carrying objective {100 * t['cross_gradient_share']:.0f}%")
+    elif "cross_objective_share" in t:
+        parts.append(f"cross share of the objective {100 * t['cross_objective_share']:.0f}%")
     if "kl_to_init" in t:
         parts.append(f"KL {t['kl_to_init']:.4f}")
     return "; ".join(parts) or "-"

@@ -130,8 +130,10 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
     """Step-level figures from the per-sample values a loss returned (its ``samples`` entry),
     collected over every update: per source, the distribution of the sequence ratio (mean,
     quantiles, min / max, share clipped below / above when the loss reports those) as
-    ``ratio/<source>/<figure>``; and ``cross_objective_share``, the share of the summed
-    |objective| (each sample's surrogate term over its mini-batch size) carried by cross samples.
+    ``ratio/<source>/<figure>``; ``cross_objective_share``, the share of the summed |objective|
+    (each sample's surrogate term over its mini-batch size) carried by cross samples, and
+    ``cross_gradient_share``, the same over the samples whose term passes a gradient (a cross
+    sample clipped out of the window adds a constant, and no gradient).
     """
     cols: dict[str, list] = {}
     src, weight = [], []
@@ -158,6 +160,10 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
         w = np.abs(cat["term"]) * np.concatenate(weight)
         total = float(w.sum())
         out["cross_objective_share"] = float(w[src != learner].sum()) / total if total > 0 else 0.0
+        if "active" in cat:
+            w = w * cat["active"]
+            total = float(w.sum())
+            out["cross_gradient_share"] = float(w[src != learner].sum()) / total if total > 0 else 0.0
     return out
 
 
