@@ -27,13 +27,41 @@ def test_every_contender_of_every_setting_composes(setting):
     from hacrl import config
 
     st = SUITES["hacpo"]["settings"][setting]
-    for c in st["contenders"]:
+    for c in (SUITES["hacpo"]["all"] if setting == "default" else st["contenders"]):
         cfg = config.from_dict(config.compose(st["base"] + SUITES["hacpo"]["all"][c]))
         assert cfg.algorithm.kl_coef == 0.001 and cfg.rollout.prompts_per_iteration == 128, c
         if setting == "shared_tok":
             assert len({a.tokenizer.kind for a in cfg.agents}) == 1
         if setting == "worked":
             assert cfg.data.completion == "worked" and cfg.rollout.max_new_tokens >= 40
+
+
+def test_a_probe_is_added_to_a_finished_report(tmp_path, monkeypatch):
+    """``--contenders`` adds runs to the setting's report instead of replacing it (the run itself
+    is replaced by a stand-in here: this checks the bookkeeping, not the training)."""
+    from hacrl import compare
+
+    def fake_run(name, overrides, seed, out):
+        acc = 0.1 + 0.01 * seed + (0.05 if name.startswith("hacpo") else 0.0)
+        return {"contender": name, "seed": seed, "algorithm": name, "seconds": 1.0, "stage_seconds": {},
+                "rollouts_per_agent_per_iteration": 8,
+                "agents": {"a": {"eval_accuracy": [0.1, acc], "rollouts": [0, 8], "train": [{"updates": 2}]}}}
+
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out: None)
+    monkeypatch.setattr(compare, "run_contender", fake_run)
+    kw = dict(work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok")
+    compare.run_suite("hacpo", 2, **kw)
+    compare.run_suite("hacpo", 2, contenders=["gspo_lr3e4", "hacpo_lr3e4"], **kw)
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"] for r in res["runs"]} == {*SUITES["hacpo"]["settings"]["shared_tok"]["contenders"],
+                                                     "gspo_lr3e4", "hacpo_lr3e4"}
+    assert len(res["runs"]) == 2 * 7
+    lr = next(f for f in res["findings"] if f["claim"] == "HACPO above GSPO, both at lr 3e-4")
+    assert lr["differences"]["a"]["points"] == 5.0
+    # a different base (another pool) starts a new report
+    compare.run_suite("hacpo", 2, ["rollout.group_size=4"], contenders=["gspo"], **kw)
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"] for r in res["runs"]} == {"gspo"}
 
 
 def test_differences_are_paired_by_seed():

@@ -49,6 +49,12 @@ HACPO_CONTENDERS = {
     "hacpo_self_first": ["algorithm=hacpo", "algorithm.minibatch_order=self_first"],
     "hacpo_keep_eos": ["algorithm=hacpo", "algorithm.thl.peer_eos=keep_if_stopped"],
     **{k: ["algorithm=hacpo", *v] for k, v in HACPO_ABLATIONS.items()},
+    # step-size probes (run on demand with --contenders, added to a setting's report): HACPO takes
+    # n times GSPO's optimizer updates per step; do more updates alone, on the learner's own
+    # samples, cost GSPO what HACPO loses, and does a smaller step close the gap?
+    "gspo_3passes": ["algorithm=gspo", "trainer.epochs=3"],
+    "gspo_lr3e4": ["algorithm=gspo", "trainer.lr=3e-4"],
+    "hacpo_lr3e4": ["algorithm=hacpo", "trainer.lr=3e-4"],
 }
 CORE = ["gspo", "gspo_x2", "naive_share", "hacpo", "hacpo_learner_tokens"]
 
@@ -86,6 +92,10 @@ CLAIMS = [
     ("reference layout above the mixed self_first layout", "hacpo", "hacpo_self_first"),
     ("dropping the peer's terminal EOS above keeping it", "hacpo", "hacpo_keep_eos"),
     *[(f"ablation {k.replace('hacpo', '')} costs accuracy", "hacpo", k) for k in HACPO_ABLATIONS],
+    ("GSPO with three passes (HACPO's update count, own samples only) above one pass", "gspo_3passes", "gspo"),
+    ("HACPO above GSPO, both at lr 3e-4", "hacpo_lr3e4", "gspo_lr3e4"),
+    ("GSPO at lr 3e-4 above lr 1e-3", "gspo_lr3e4", "gspo"),
+    ("HACPO at lr 3e-4 above lr 1e-3", "hacpo_lr3e4", "hacpo"),
 ]
 
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
@@ -336,7 +346,9 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
               reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
               setting: str = "default") -> Path:
     """Run ``suite`` in ``setting`` for ``seeds`` seeds (0..seeds-1) and write
-    ``reports/<suite>/<setting>/`` and the suite's index."""
+    ``reports/<suite>/<setting>/`` and the suite's index. With ``contenders`` given, the runs of
+    other contenders already in that setting's report (same overrides: the same prepared pool)
+    are kept, so a probe can be added to a finished suite."""
     if suite not in SUITES:
         raise config_mod.ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
@@ -361,6 +373,15 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
                  r["seconds"])
         results.append(r)
     suite_dir = Path(reports_dir).resolve() / suite
-    report = write_report(results, suite, suite_dir / setting, time.time() - t0, base_overrides, setting, st["about"])
+    wall = time.time() - t0
+    previous = suite_dir / setting / "results.json"
+    if contenders and previous.exists():
+        old = read_json(previous)
+        if old.get("overrides") == base_overrides:
+            ran = {(r["contender"], r["seed"]) for r in results}
+            results = [r for r in old["runs"] if (r["contender"], r["seed"]) not in ran] + results
+            wall += old.get("wall_seconds", 0.0)
+            log.info("kept %d runs of the earlier report", len(results) - len(ran))
+    report = write_report(results, suite, suite_dir / setting, wall, base_overrides, setting, st["about"])
     write_index(suite_dir, suite)
     return report
