@@ -180,6 +180,7 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
     assert 0 <= stats["cross_gradient_share"] <= 1 and 0 <= stats["cross_objective_share"] <= 1
     if algo == "hacpo":
         assert stats["per_update"]["cross_share"] == [0.0, 0.0, 1.0, 1.0]
+        assert len(stats["per_update"]["grad_norm"]) == 4 and all(g >= 0 for g in stats["per_update"]["grad_norm"])
         assert stats["per_update"]["cross_lower_bound"] == pytest.approx([0.8, 0.825, 0.85, 0.875])
         assert 0 < stats["cross_ratio_min"] <= stats["cross_ratio_mean"] <= stats["cross_ratio_max"]
         assert stats["cross_share"] == pytest.approx(0.5)

@@ -275,8 +275,11 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             # when that update holds none
             **({"first_ratio_mean": logs[0]["ratio_mean"]}
                if logs and np.isfinite(logs[0].get("ratio_mean", np.nan)) else {}),
-            # the loss's own figures per update, in update order (null where not defined)
-            "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs] for k in loss_metrics},
+            # the loss's own figures and the gradient norm per update, in update order (null where
+            # not defined): an update whose samples are all clipped has a small gradient, yet Adam
+            # still moves the weights along its momentum
+            "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs]
+                           for k in [*loss_metrics, "grad_norm"]},
             "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "cross_samples": int((~is_self_all).sum()),
