@@ -325,6 +325,8 @@ def write_index(suite_dir: Path, suite: str) -> Path:
     lines = [f"# Comparison suite `{suite}`", "", "One directory per setting, each with its own README, plots "
              "and results.json. Headline: paired differences of final held-out accuracy in points "
              "(mean +- s.e. over seeds) and their verdict.", ""]
+    if (suite_dir / "ANALYSIS.md").exists():  # written by hand from these reports
+        lines += ["What the settings and probes say about the causes: [ANALYSIS.md](ANALYSIS.md).", ""]
     for res_file in sorted(suite_dir.glob("*/results.json")):
         res = read_json(res_file)
         setting = res.get("setting") or res_file.parent.name
