@@ -55,6 +55,8 @@ HACPO_CONTENDERS = {
     "gspo_3passes": ["algorithm=gspo", "trainer.epochs=3"],
     "gspo_lr3e4": ["algorithm=gspo", "trainer.lr=3e-4"],
     "hacpo_lr3e4": ["algorithm=hacpo", "trainer.lr=3e-4"],
+    "gspo_lr1e4": ["algorithm=gspo", "trainer.lr=1e-4"],
+    "hacpo_lr1e4": ["algorithm=hacpo", "trainer.lr=1e-4"],
 }
 CORE = ["gspo", "gspo_x2", "naive_share", "hacpo", "hacpo_learner_tokens"]
 
@@ -96,6 +98,7 @@ CLAIMS = [
     ("HACPO above GSPO, both at lr 3e-4", "hacpo_lr3e4", "gspo_lr3e4"),
     ("GSPO at lr 3e-4 above lr 1e-3", "gspo_lr3e4", "gspo"),
     ("HACPO at lr 3e-4 above lr 1e-3", "hacpo_lr3e4", "hacpo"),
+    ("HACPO above GSPO, both at lr 1e-4", "hacpo_lr1e4", "gspo_lr1e4"),
 ]
 
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
