@@ -57,6 +57,8 @@ HACPO_CONTENDERS = {
     "hacpo_lr3e4": ["algorithm=hacpo", "trainer.lr=3e-4"],
     "gspo_lr1e4": ["algorithm=gspo", "trainer.lr=1e-4"],
     "hacpo_lr1e4": ["algorithm=hacpo", "trainer.lr=1e-4"],
+    "gspo_x2_lr1e4": ["algorithm=gspo_x2", "trainer.lr=1e-4"],
+    "gspo_3passes_lr1e4": ["algorithm=gspo", "trainer.epochs=3", "trainer.lr=1e-4"],
 }
 CORE = ["gspo", "gspo_x2", "naive_share", "hacpo", "hacpo_learner_tokens"]
 
@@ -99,6 +101,10 @@ CLAIMS = [
     ("GSPO at lr 3e-4 above lr 1e-3", "gspo_lr3e4", "gspo"),
     ("HACPO at lr 3e-4 above lr 1e-3", "hacpo_lr3e4", "hacpo"),
     ("HACPO above GSPO, both at lr 1e-4", "hacpo_lr1e4", "gspo_lr1e4"),
+    ("HACPO above GSPO x2, both at lr 1e-4", "hacpo_lr1e4", "gspo_x2_lr1e4"),
+    ("GSPO x2 above GSPO, both at lr 1e-4", "gspo_x2_lr1e4", "gspo_lr1e4"),
+    ("HACPO above GSPO with three passes (the same update count), both at lr 1e-4", "hacpo_lr1e4",
+     "gspo_3passes_lr1e4"),
 ]
 
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
