@@ -150,13 +150,13 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
     t0 = time.time()
     with contextlib.chdir(base):  # data/tasks of the base
         timings = stages.run_in_process(cfg, prepare=False)
-    history = read_json(RunLayout(cfg.experiment.runs_dir).history(cfg.experiment.iterations))
+    lay = RunLayout(cfg.experiment.runs_dir)
+    history = read_json(lay.history(cfg.experiment.iterations))
     agents = [a.name for a in cfg.agents]
     per_iter = cfg.rollout.prompts_per_iteration * cfg.samples_per_prompt  # rollouts per agent
     res = {"contender": name, "seed": seed, "algorithm": cfg.algorithm.name, "seconds": round(time.time() - t0, 1),
            "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
            "rollouts_per_agent_per_iteration": per_iter, "agents": {}}
-    lay = RunLayout(cfg.experiment.runs_dir)
     updates = [read_json(lay.update_stats(t)) for t in range(1, cfg.experiment.iterations + 1)]
     for a in agents:
         acc = [h["agents"][a]["eval_accuracy"] for h in history["iterations"]]
