@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.compare import SUITES, auc, paired_difference, verdict
+from hacrl.compare import SUITES, auc, findings, paired_difference, verdict
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,48 @@ def test_every_contender_of_every_setting_composes(setting):
             assert len({a.tokenizer.kind for a in cfg.agents}) == 1
         if setting == "worked":
             assert cfg.data.completion == "worked" and cfg.rollout.max_new_tokens >= 40
+
+
+@pytest.mark.parametrize("setting", sorted(SUITES["mutual"]["settings"]))
+def test_every_mutual_contender_composes(setting):
+    from hacrl import config
+
+    st = SUITES["mutual"]["settings"][setting]
+    for c in st["contenders"]:
+        cfg = config.from_dict(config.compose(st["base"] + SUITES["mutual"]["all"][c]))
+        assert cfg.trainer.measure_kl_to_init and cfg.algorithm.kl_coef == 0 and cfg.rollout.prompts_per_iteration == 128
+    assert set(st["contenders"]) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt"}
+
+
+def synthetic(contender, seed, curves, entropy=None, kl=None):
+    """A run record as run_contender writes it, for agents a and b (``curves``: agent -> accuracies)."""
+    return {"contender": contender, "seed": seed,
+            "agents": {a: {"eval_accuracy": acc, "entropy": [None] + (entropy or [0.5] * (len(acc) - 1)),
+                           "kl": [None] + (kl or [0.01] * (len(acc) - 1))} for a, acc in curves.items()}}
+
+
+def test_claim_kinds_average_checkpoints_equal_and_signatures():
+    res = []
+    for s in range(3):
+        e = 0.01 * s  # a seed effect shared by both contenders: pairing removes it
+        res += [synthetic("grpo", s, {"a": [0.1, 0.20 + e, 0.30 + e], "b": [0.5, 0.50 + e, 0.60 + e]},
+                          entropy=[0.6 + e, 0.6 + e], kl=[0.01, 0.02]),
+                synthetic("sgt", s, {"a": [0.1, 0.25 + e, 0.30 + e + 0.001 * s], "b": [0.5, 0.48 + e, 0.64 + e]},
+                          entropy=[0.5 + e, 0.5 + e], kl=[0.03, 0.04])]
+    claims = [("mean", "sgt", "grpo", "average"), ("every", "sgt", "grpo", "every_checkpoint"),
+              ("equal", "sgt", "grpo", "equal"), ("entropy", "grpo", "sgt", "entropy"), ("kl", "sgt", "grpo", "kl"),
+              ("final", "sgt", "grpo")]
+    f = {x["claim"]: x for x in findings(res, claims)}
+    # mean over agents: (+0.001 s + 0.04) / 2 -> +2.05 points on average over seeds
+    assert list(f["mean"]["differences"]) == ["all agents"]
+    assert f["mean"]["differences"]["all agents"]["points"] == pytest.approx(2.05)
+    # b is 2 points behind at iteration 1 on every seed: reversed there, so the claim fails
+    assert f["every"]["differences"]["b"]["verdict"] == "reversed" and f["every"]["differences"]["b"]["points"] == -2.0
+    assert f["every"]["differences"]["a"]["verdict"] == "holds" and f["every"]["differences"]["a"]["checkpoints"] == 2
+    assert f["equal"]["differences"]["a"]["verdict"] == "holds" and f["equal"]["differences"]["b"]["verdict"] == "differs"
+    assert f["entropy"]["differences"]["a"]["points"] == pytest.approx(0.1) and f["entropy"]["reproduces"]
+    assert f["kl"]["differences"]["b"]["points"] == pytest.approx(0.02) and f["kl"]["reproduces"]
+    assert f["final"]["differences"]["b"]["verdict"] == "holds"
 
 
 def test_a_probe_is_added_to_a_finished_report(tmp_path, monkeypatch):
@@ -109,3 +151,23 @@ def test_smoke_suite_writes_the_comparison_report(tmp_path):
     assert set(res["table"]["agents"]["gpt2-a"]) == contenders
     index = (tmp_path / "r" / "hacpo" / "README.md").read_text()
     assert "## `default`" in index and "naive sharing below GSPO" in index
+
+
+def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
+    cmd = [sys.executable, "-m", "hacrl.cli", "--log-level", "WARNING", "compare", "--suite", "mutual", "--seeds", "1",
+           "--work-dir", str(tmp_path / "w"), "--reports-dir", str(tmp_path / "r"),
+           *SMOKE, "experiment.iterations=1", "rollout.prompts_per_iteration=16", "trainer.mini_batch_prompts=8"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "r" / "mutual" / "default"
+    res = json.loads((out / "results.json").read_text())
+    by = {r["contender"]: r["agents"]["gpt2-a"] for r in res["runs"]}
+    assert set(by) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt"}
+    for c, r in by.items():  # the signatures of every contender, measured the same way
+        assert r["entropy"][0] is None and r["entropy"][1] > 0 and r["kl"][1] >= 0, c
+    assert "trigger_rate" in by["sgt"]["train"][0] and "peer_ratio_mean" in by["prp"]["train"][0]
+    readme = (out / "README.md").read_text()
+    assert "SGT at or above GRPO at every checkpoint" in readme and "all agents" in readme
+    assert "Success-gated rescues" in readme
+    for png in ("entropy_vs_iterations.png", "kl_vs_iterations.png"):
+        assert (out / png).stat().st_size > 1000

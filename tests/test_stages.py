@@ -204,3 +204,65 @@ def test_xgrpo_trains_on_its_own_rows_with_the_pools_reward_statistics(pipeline,
     stages.compute_capability_stats(cfg_x, 1)
     out = stages.update_policies(cfg_x, 1)[a.name]
     assert out["cross_samples"] == 0 and out["updates"] == 2 and out["first_ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("denominator", ["learner_snapshot", "thl_aligned_peer"])
+def test_prp_pools_the_peers_rollouts_into_the_grpo_batch(pipeline, tmp_path, denominator):
+    import shutil
+
+    cfg, _ = pipeline
+    shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
+    cfg_p = smoke_config(tmp_path, ["algorithm=prp", f"algorithm.loss.peer_denominator={denominator}"])
+    a, b = cfg_p.agents[0], cfg_p.agents[1]
+    stages.exchange_and_align(cfg_p, 1)
+    stages.compute_capability_stats(cfg_p, 1)
+    out = stages.update_policies(cfg_p, 1)[a.name]
+    # 16 own + 16 peer prompt groups pooled per prompt: mini-batches of 8 prompts x 8 samples
+    assert out["cross_samples"] == 64 and out["updates"] == 2 and out["first_ratio_mean"] == 1.0
+    assert out[f"ratio/{b.name}/n"] == 64 and out[f"ratio/{a.name}/n"] == 64
+    peer_first = out["per_update"]["peer_ratio_mean"][0]
+    if denominator == "learner_snapshot":  # the learner's snapshot: the first update's ratio is 1
+        assert peer_first == pytest.approx(1.0, abs=1e-5)
+    else:  # the peer's own trace: how far the learner is from the policy that wrote the text
+        assert abs(peer_first - 1.0) > 1e-3
+    assert 0 <= out["cross_objective_share"] <= 1
+
+
+def test_sgt_injects_a_peer_success_where_the_learner_failed_and_measures_if_it_stuck(pipeline, tmp_path):
+    import shutil
+
+    cfg, _ = pipeline
+    shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
+    cfg_s = smoke_config(tmp_path, ["algorithm=sgt"])
+    lay = RunLayout(cfg_s.experiment.runs_dir)
+    a, b = cfg_s.agents[0], cfg_s.agents[1]
+    # set the verdicts: the learner a fails everything but one sample of prompt p3; the peer b
+    # succeeds on every sample of p0..p3 only (a verdict file as verify-rewards writes it)
+    prompts = sorted(set(read_records(lay.rewards(1) / f"{a.name}.parquet", "verdict")["prompt_id"]))
+    for ag, ok in ((a, lambda r: r.prompt_id == prompts[3] and r.record_id.endswith("/0")),
+                   (b, lambda r: r.prompt_id in prompts[:4])):
+        path = lay.rewards(1) / f"{ag.name}.parquet"
+        rw = read_records(path, "verdict")
+        good = [ok(r) for r in rw.itertuples()]
+        rw["verdict"] = ["correct" if g else "wrong" for g in good]
+        rw["reward"] = [1.0 if g else 0.0 for g in good]
+        write_records(path, rw, "verdict")
+    ex = stages.exchange_and_align(cfg_s, 1)
+    inp = read_records(lay.learner_input(1, a.name), "learner_input")
+    assert ex[a.name]["cross"] == 16 and (inp[~inp["is_self"]]["verdict"] == "correct").all()
+    stages.compute_capability_stats(cfg_s, 1)
+    out = stages.update_policies(cfg_s, 1)[a.name]
+    # p3's peer successes are dropped before the update (a got p3 right once); one of the 4
+    # successes of each of p0..p2 is injected
+    assert out["rows_dropped_by_loss"] == 4 and out["cross_samples"] == 12
+    assert out["rescued_prompts"] == prompts[:3] and out["rescues"] == 3
+    assert out["own_all_wrong_prompts"] == 15 and out["trigger_rate"] == pytest.approx(3 / 16)
+    assert out["rescued_so_far"] == {p: 1 for p in prompts[:3]}
+    assert read_json(lay.train_state(1) / a.name / stages.RESCUED_FILE) == out["rescued_so_far"]
+    # the peer b has no all-wrong prompt with a success of a: nothing to inject
+    b_out = read_json(lay.update_stats(1))[b.name]
+    assert b_out["rescues"] == 0 and b_out["rescued_prompts"] == []
+    stages.evaluate(cfg_s, 0)
+    ev = stages.evaluate(cfg_s, 1)["agents"]
+    assert ev[a.name]["rescued_now_n"] == 3 and 0 <= ev[a.name]["rescued_now_accuracy"] <= 1
+    assert "rescued_before_n" not in ev[a.name] and "rescued_now_n" not in ev[b.name]

@@ -43,6 +43,13 @@ class Registered:
     level: str | None = None
     needs: tuple[str, ...] = ()
     """Record types the subscription must include (e.g. ``reward_stats``), checked at start-up."""
+    rows: Callable | None = None
+    """A loss's row filter ``rows(inp: AdvantageInputs, opts) -> (N,) bool``: the training rows
+    that can take part in it; the trainer drops the others before the layout (e.g. SGT keeps a
+    peer's success only where its gate can fire, so no forward pass is spent on the rest)."""
+    layouts: tuple[str, ...] | None = None
+    """The update layouts (``algorithm.minibatch_order``) a loss works under; None: any. A loss that
+    reads whole prompt groups inside one mini-batch (SGT's gate) needs ``prompt_groups``."""
 
 
 ADVANTAGES: dict[str, Registered] = {}
@@ -51,14 +58,14 @@ LOSS_LEVELS = ("token", "sequence")
 
 
 def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
-              needs: tuple[str, ...] = ()):
+              needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None):
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
         raise TypeError(f"{name}: options must be a dataclass with a 'name' field")
 
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level, tuple(needs))
+        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts)
         return fn
     return deco
 
@@ -69,11 +76,13 @@ def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
     return _register(ADVANTAGES, name, options, needs=needs)
 
 
-def register_loss(name: str, options: type, level: str):
-    """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence."""
+def register_loss(name: str, options: type, level: str, rows: Callable | None = None,
+                  layouts: tuple[str, ...] | None = None):
+    """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence;
+    ``rows`` and ``layouts``: see :class:`Registered`."""
     if level not in LOSS_LEVELS:
         raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
-    return _register(LOSSES, name, options, level)
+    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts)
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
@@ -136,6 +145,8 @@ class AdvantageInputs:
     ``reward_stats`` records); None when the subscription takes no reward statistics."""
     pool_std: torch.Tensor | None = None
     """(N,) the matching unbiased standard deviation."""
+    verified: torch.Tensor | None = None
+    """(N,) bool, the verifier's verdict was ``correct`` (None: not known)."""
 
 
 @dataclass
@@ -161,6 +172,14 @@ class LossInputs:
     """(B,) the producer's mean generation log-prob over its own tokens."""
     update_index: int = 0
     """m: the index of this optimizer update within the learner's step (0-based)."""
+    rewards: torch.Tensor | None = None
+    """(B,) the verified rewards (a loss that gates on outcomes reads them; None if not given)."""
+    group_ids: torch.Tensor | None = None
+    """(B,) long, one id per prompt."""
+    verified: torch.Tensor | None = None
+    """(B,) bool, the verdict was ``correct``."""
+    choice_key: torch.Tensor | None = None
+    """(B,) uniform [0, 1) per record, drawn from the update's seed and the record id (seeded choices)."""
 
 
 # ----------------------------------------------------------------------------- GRPO / GSPO
@@ -182,14 +201,27 @@ class GroupAdvantageOptions:
     name: str = "grpo"
     eps: float = 1e-6
     """Added to the group's std."""
+    group_rows: str = "all"
+    """The rows whose rewards form a prompt's group statistics: ``all`` training rows of the prompt
+    (for a sharing learner: own and peers' rewards pooled, as PRP and naive sharing do) or only the
+    learner's ``self`` rows (SGT: its GRPO update unchanged by the injected peer successes, whose
+    advantage is then 0)."""
 
     def __post_init__(self):
         _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
+        _check(self.group_rows in ("all", "self"), "group_rows", self.group_rows, "all or self")
 
 
 @register_advantage("grpo", GroupAdvantageOptions)
 def grpo_advantage(inp: AdvantageInputs, opts: GroupAdvantageOptions) -> torch.Tensor:
-    """GRPO's group-relative advantage over every training sample of the prompt."""
+    """GRPO's group-relative advantage over every training sample of the prompt (``group_rows:
+    self``: over the learner's own samples, 0 on the others)."""
+    if opts.group_rows == "self":
+        adv = torch.zeros_like(inp.rewards, dtype=torch.float32)
+        own = inp.is_self
+        if bool(own.any()):
+            adv[own] = group_normalized_advantage(inp.rewards[own], inp.group_ids[own], opts.eps)
+        return adv
     return group_normalized_advantage(inp.rewards, inp.group_ids, opts.eps)
 
 
@@ -480,4 +512,191 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
                         "clipped_below": torch.where(is_self, s < 1 - opts.clip_low, s < lower).float(),
                         "clipped_above": torch.where(is_self, s > 1 + opts.clip_high, s > 1.0).float()},
         }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------- Mutual RL probes
+
+@dataclass(frozen=True)
+class PrpOptions(ClipOptions):
+    """PRP (peer rollout pooling, data level): GRPO's token loss over the learner's own and the
+    peers' retokenised rollouts alike."""
+
+    name: str = "prp"
+    peer_denominator: str = "learner_snapshot"
+    """The ratio's denominator on a peer's tokens. ``learner_snapshot``: the learner's own old
+    policy re-scoring the peer's tokens (ignores how the peer generated them; the first update's
+    ratio is 1 as for its own samples); ``thl_aligned_peer``: the peer's recorded generation trace
+    aligned onto the learner's tokens by THL (the ratio then measures how far the learner is from
+    the policy that actually produced the text)."""
+    log_ratio_clamp: float = 10.0
+    """Clamp of the per-token log-ratio (a peer token the learner finds very unlikely would
+    otherwise overflow)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.peer_denominator in ("learner_snapshot", "thl_aligned_peer"), "peer_denominator",
+               self.peer_denominator, "learner_snapshot or thl_aligned_peer")
+        _check(self.log_ratio_clamp > 0, "log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
+
+
+def _token_clip_samples(log_ratio: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, low: float,
+                        high: float, per_seq: torch.Tensor) -> dict:
+    """Per-sample figures of a token-level clipped loss: the sequence's geometric-mean ratio, its
+    term, and the shares of its tokens that pass a gradient / lie below / above the window."""
+    rho = torch.exp(log_ratio)
+    active = clip_active(rho, a.expand_as(rho), low, high)
+    return {"ratio": torch.exp(masked_mean(log_ratio, mask, dim=1)), "term": per_seq,
+            "active": masked_mean(active, mask, dim=1),
+            "clipped_below": masked_mean((rho < low).float(), mask, dim=1),
+            "clipped_above": masked_mean((rho > high).float(), mask, dim=1)}
+
+
+@register_loss("prp", PrpOptions, level="token")
+def prp_loss(inp: LossInputs, opts: PrpOptions):
+    """``-(1/B) sum_i (1/|y_i|) sum_t min(rho A, clip(rho, 1-eps_l, 1+eps_h) A)`` over own and peer
+    samples, ``rho = pi / denominator`` per learner token; the denominator is the learner's old
+    policy for its own samples, and for a peer's the learner's snapshot or the peer's THL-aligned
+    trace (``peer_denominator``)."""
+    denom = inp.old_logp
+    if opts.peer_denominator == "thl_aligned_peer":
+        denom = torch.where(inp.is_self[:, None], inp.old_logp, inp.behavior_logp)
+    log_ratio = (inp.logp - denom).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    a = inp.advantages[:, None].float()
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    per_seq = masked_mean(surr, inp.mask, dim=1)
+    loss = -per_seq.mean()
+    with torch.no_grad():
+        samples = _token_clip_samples(log_ratio, a, inp.mask, 1 - opts.clip_low, 1 + opts.clip_high, per_seq)
+        own = inp.mask * inp.is_self[:, None]
+        peer = inp.mask * (~inp.is_self)[:, None]
+        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
+        metrics = {"clip_frac": masked_mean(clipped, own).item() if bool(own.any()) else float("nan"),
+                   "ratio_mean": masked_mean(ratio, own).item() if bool(own.any()) else float("nan"),
+                   "cross_share": float((~inp.is_self).float().mean()),
+                   "peer_clip_frac": masked_mean(clipped, peer).item() if bool(peer.any()) else float("nan"),
+                   "peer_ratio_mean": masked_mean(ratio, peer).item() if bool(peer.any()) else float("nan"),
+                   "samples": samples}
+    return loss, metrics
+
+
+@dataclass(frozen=True)
+class SgtOptions(ClipOptions):
+    """SGT (success-gated transfer, outcome level): GRPO on the learner's own samples, unchanged,
+    plus a likelihood term on a peer's verified success for each prompt the learner failed."""
+
+    name: str = "sgt"
+    nll_weight: float = 0.1
+    """lambda: the weight of the negative log-likelihood term."""
+    length_norm: str = "token"
+    """``token``: the NLL averaged over all injected tokens of the mini-batch (every token weighs
+    the same); ``sequence``: each injected response's summed NLL, averaged over the responses."""
+    choose: str = "shortest"
+    """Which of a prompt's peer successes is injected: the ``shortest`` in the learner's tokens,
+    a ``random`` one (drawn from the update's seed), or the one of highest mean
+    ``learner_logprob`` under the learner's policy before the step (the easiest to absorb)."""
+    max_rescues: int = 1
+    """k: at most this many peer successes injected per prompt."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(self.nll_weight >= 0, "nll_weight", self.nll_weight, "must be >= 0")
+        _check(self.length_norm in ("token", "sequence"), "length_norm", self.length_norm, "token or sequence")
+        _check(self.choose in ("shortest", "random", "learner_logprob"), "choose", self.choose,
+               "shortest, random or learner_logprob")
+        _check(isinstance(self.max_rescues, int) and self.max_rescues >= 1, "max_rescues", self.max_rescues,
+               "an integer >= 1")
+
+
+def sgt_gate(rewards: torch.Tensor, group_ids: torch.Tensor, is_self: torch.Tensor,
+             verified: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the peer rows that may be injected. A prompt's gate fires when the learner has
+    samples of it and none is a verified success, and some peer row of it is a verified success
+    with a positive reward; the candidates are those peer rows. A wrong or unverified peer
+    response is never a candidate."""
+    inv, n = _group_index(group_ids)
+    own = is_self.bool()
+    ok = verified.bool() & (rewards.float() > 0)
+    own_any = torch.zeros(n, dtype=torch.bool).index_put_((inv[own],), torch.tensor(True), accumulate=False)
+    own_ok = torch.zeros(n, dtype=torch.bool).index_put_((inv[own & ok],), torch.tensor(True), accumulate=False)
+    fires = own_any & ~own_ok
+    return ~own & ok & fires[inv]
+
+
+def sgt_choose(candidates: torch.Tensor, group_ids: torch.Tensor, key: torch.Tensor, k: int) -> torch.Tensor:
+    """(N,) bool: per prompt, the ``k`` candidates of smallest ``key`` (ties: the earlier row)."""
+    chosen = torch.zeros_like(candidates, dtype=torch.bool)
+    idx = torch.nonzero(candidates).flatten()
+    if not len(idx):
+        return chosen
+    order = sorted(idx.tolist(), key=lambda i: (int(group_ids[i]), float(key[i]), i))
+    taken: dict[int, int] = {}
+    for i in order:
+        g = int(group_ids[i])
+        if taken.get(g, 0) < k:
+            chosen[i] = True
+            taken[g] = taken.get(g, 0) + 1
+    return chosen
+
+
+def sgt_rows(inp: AdvantageInputs, opts: SgtOptions) -> torch.Tensor:
+    """The rows SGT trains on: the learner's own, and the peer successes its gate admits."""
+    if inp.verified is None:
+        raise ValueError("the sgt loss needs the verdicts of the training rows")
+    return inp.is_self.bool() | sgt_gate(inp.rewards, inp.group_ids, inp.is_self, inp.verified)
+
+
+@register_loss("sgt", SgtOptions, level="token", rows=sgt_rows, layouts=("prompt_groups",))
+def sgt_loss(inp: LossInputs, opts: SgtOptions):
+    """``-(1/B_own) sum_{own i} (1/|y_i|) sum_t min(rho A, clip(rho) A) + lambda NLL(rescues)``.
+
+    The GRPO term is over the learner's own samples only (the peer rows carry no advantage). The
+    rescues are chosen inside the mini-batch (it holds whole prompt groups): per prompt whose
+    own samples are all wrong, up to ``max_rescues`` of the peers' verified successes
+    (:func:`sgt_gate`, :func:`sgt_choose`). ``NLL = -mean log pi`` over their tokens
+    (``length_norm: token``) or the mean over them of each one's summed ``-log pi`` (``sequence``).
+    """
+    if inp.rewards is None or inp.group_ids is None or inp.verified is None:
+        raise ValueError("the sgt loss needs rewards, group ids and verdicts of the mini-batch")
+    own = inp.is_self.bool()
+    ratio = torch.exp(inp.logp - inp.old_logp)
+    a = inp.advantages[:, None].float()
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    per_seq = masked_mean(surr, inp.mask, dim=1)
+    grpo = per_seq[own].mean() if bool(own.any()) else per_seq.sum() * 0
+    cand = sgt_gate(inp.rewards, inp.group_ids, own, inp.verified)
+    if opts.choose == "shortest":
+        key = inp.mask.sum(1).float()
+    elif opts.choose == "random":
+        if inp.choice_key is None:
+            raise ValueError("sgt choose=random needs the rows' seeded choice keys")
+        key = inp.choice_key.float()
+    else:  # the highest mean log-prob under the learner's policy before the step
+        key = -masked_mean(inp.old_logp, inp.mask, dim=1)
+    chosen = sgt_choose(cand, inp.group_ids, key, opts.max_rescues)
+    if bool(chosen.any()):
+        tok_nll = -(inp.logp * inp.mask)[chosen]
+        nll = (tok_nll.sum() / inp.mask[chosen].sum().clamp(min=1) if opts.length_norm == "token"
+               else tok_nll.sum(1).mean())
+    else:
+        nll = per_seq.sum() * 0
+    loss = -grpo + opts.nll_weight * nll
+    with torch.no_grad():
+        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
+        own_tok = inp.mask * own[:, None]
+        seq_nll = -masked_mean(inp.logp, inp.mask, dim=1)
+        # each sample's share of the objective: own samples their GRPO term over B_own, a rescue
+        # its NLL term (weighted as in the loss); the trainer weights terms by 1 / mini-batch size
+        n_all, n_own = len(own), max(1, int(own.sum()))
+        term = torch.where(own, per_seq * n_all / n_own,
+                           torch.where(chosen, -opts.nll_weight * seq_nll * n_all / max(1, int(chosen.sum())),
+                                       torch.zeros_like(per_seq)))
+        metrics = {"clip_frac": masked_mean(clipped, own_tok).item() if bool(own.any()) else float("nan"),
+                   "ratio_mean": masked_mean(ratio, own_tok).item() if bool(own.any()) else float("nan"),
+                   "rescues": float(chosen.sum()),
+                   "rescue_nll": float(nll) if bool(chosen.any()) else float("nan"),
+                   "samples": {"ratio": torch.exp(masked_mean(inp.logp - inp.old_logp, inp.mask, dim=1)),
+                               "term": term, "active": (own | chosen).float(),
+                               "rescued": chosen.float()}}
     return loss, metrics

@@ -66,6 +66,63 @@ CORE = ["gspo", "gspo_x2", "naive_share", "hacpo", "hacpo_learner_tokens"]
 # reference runs' KL (0.001, k3, on self samples) for every contender alike
 HACPO_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "algorithm.kl_coef=0.001"]
 
+
+# the claims checked per agent: (text, better contender, worse contender); a 4th element names the
+# kind (see :func:`findings`), default ``final``
+HACPO_CLAIMS = [
+    ("HACPO above GSPO x2", "hacpo", "gspo_x2"),
+    ("GSPO x2 above GSPO", "gspo_x2", "gspo"),
+    ("HACPO above GSPO", "hacpo", "gspo"),
+    ("naive sharing below GSPO", "gspo", "naive_share"),
+    ("HACPO above naive sharing", "hacpo", "naive_share"),
+    ("HACPO above GRPO", "hacpo", "grpo"),
+    ("ratio over learner tokens above the reference ratio", "hacpo_learner_tokens", "hacpo"),
+    ("reference layout above the mixed self_first layout", "hacpo", "hacpo_self_first"),
+    ("dropping the peer's terminal EOS above keeping it", "hacpo", "hacpo_keep_eos"),
+    *[(f"ablation {k.replace('hacpo', '')} costs accuracy", "hacpo", k) for k in HACPO_ABLATIONS],
+    ("GSPO with three passes (HACPO's update count, own samples only) above one pass", "gspo_3passes", "gspo"),
+    ("HACPO above GSPO, both at lr 3e-4", "hacpo_lr3e4", "gspo_lr3e4"),
+    ("GSPO at lr 3e-4 above lr 5e-4", "gspo_lr3e4", "gspo"),
+    ("HACPO at lr 3e-4 above lr 5e-4", "hacpo_lr3e4", "hacpo"),
+    ("HACPO above GSPO, both at lr 1e-4", "hacpo_lr1e4", "gspo_lr1e4"),
+    ("HACPO above GSPO x2, both at lr 1e-4", "hacpo_lr1e4", "gspo_x2_lr1e4"),
+    ("GSPO x2 above GSPO, both at lr 1e-4", "gspo_x2_lr1e4", "gspo_lr1e4"),
+    ("HACPO above GSPO with three passes (the same update count), both at lr 1e-4", "hacpo_lr1e4",
+     "gspo_3passes_lr1e4"),
+]
+
+MUTUAL_CONTENDERS = {
+    "grpo": ["algorithm=grpo"],
+    "prp": ["algorithm=prp"],  # the learner's snapshot as the peer samples' denominator
+    "prp_thl": ["algorithm=prp", "algorithm.loss.peer_denominator=thl_aligned_peer"],
+    "xgrpo": ["algorithm=xgrpo"],
+    "sgt": ["algorithm=sgt"],
+}
+
+MUTUAL_CLAIMS = [
+    ("SGT above GRPO on the mean over agents", "sgt", "grpo", "average"),
+    ("SGT above XGRPO on the mean over agents", "sgt", "xgrpo", "average"),
+    ("SGT above PRP on the mean over agents", "sgt", "prp", "average"),
+    ("SGT above PRP (THL-aligned) on the mean over agents", "sgt", "prp_thl", "average"),
+    ("SGT at or above GRPO at every checkpoint", "sgt", "grpo", "every_checkpoint"),
+    ("SGT above GRPO", "sgt", "grpo"),
+    ("XGRPO indistinguishable from GRPO", "xgrpo", "grpo", "equal"),
+    ("PRP below GRPO (the weaker agent hurt)", "grpo", "prp"),
+    ("PRP lowers the policy entropy (GRPO above PRP)", "grpo", "prp", "entropy"),
+    ("PRP raises the KL to the initial model", "prp", "grpo", "kl"),
+    ("PRP (THL-aligned) below GRPO", "grpo", "prp_thl"),
+    ("PRP (THL-aligned) lowers the entropy (GRPO above it)", "grpo", "prp_thl", "entropy"),
+    ("PRP (THL-aligned) raises the KL to the initial model", "prp_thl", "grpo", "kl"),
+    ("THL-aligned PRP above snapshot PRP", "prp_thl", "prp"),
+    ("THL-aligned PRP keeps more entropy than snapshot PRP", "prp_thl", "prp", "entropy"),
+    ("THL-aligned PRP drifts less (KL) than snapshot PRP", "prp", "prp_thl", "kl"),
+]
+
+# Mutual RL's step: GRPO's embedded settings at the HACPO suite's step size (128 prompts, 8 samples
+# per agent, mini-batches of 64 prompts), no KL term, the KL to the initial model measured
+MUTUAL_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64",
+               "trainer.measure_kl_to_init=true"]
+
 SUITES: dict[str, dict] = {
     "hacpo": {
         "settings": {
@@ -81,35 +138,29 @@ SUITES: dict[str, dict] = {
                        "contenders": CORE},
         },
         "all": HACPO_CONTENDERS,
+        "claims": HACPO_CLAIMS,
+    },
+    "mutual": {
+        "settings": {
+            "default": {"about": "the embedded pool (three tokenizers), boxed answers",
+                        "base": [*MUTUAL_STEP, "experiment.iterations=6"],
+                        "contenders": list(MUTUAL_CONTENDERS)},
+            "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
+                       "base": [*MUTUAL_STEP, "experiment.iterations=5", "data=arith_worked",
+                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],
+                       "contenders": list(MUTUAL_CONTENDERS)},
+        },
+        "all": MUTUAL_CONTENDERS,
+        "claims": MUTUAL_CLAIMS,
     },
 }
 
-# the claims checked per agent: (text, better contender, worse contender)
-CLAIMS = [
-    ("HACPO above GSPO x2", "hacpo", "gspo_x2"),
-    ("GSPO x2 above GSPO", "gspo_x2", "gspo"),
-    ("HACPO above GSPO", "hacpo", "gspo"),
-    ("naive sharing below GSPO", "gspo", "naive_share"),
-    ("HACPO above naive sharing", "hacpo", "naive_share"),
-    ("HACPO above GRPO", "hacpo", "grpo"),
-    ("ratio over learner tokens above the reference ratio", "hacpo_learner_tokens", "hacpo"),
-    ("reference layout above the mixed self_first layout", "hacpo", "hacpo_self_first"),
-    ("dropping the peer's terminal EOS above keeping it", "hacpo", "hacpo_keep_eos"),
-    *[(f"ablation {k.replace('hacpo', '')} costs accuracy", "hacpo", k) for k in HACPO_ABLATIONS],
-    ("GSPO with three passes (HACPO's update count, own samples only) above one pass", "gspo_3passes", "gspo"),
-    ("HACPO above GSPO, both at lr 3e-4", "hacpo_lr3e4", "gspo_lr3e4"),
-    ("GSPO at lr 3e-4 above lr 1e-3", "gspo_lr3e4", "gspo"),
-    ("HACPO at lr 3e-4 above lr 1e-3", "hacpo_lr3e4", "hacpo"),
-    ("HACPO above GSPO, both at lr 1e-4", "hacpo_lr1e4", "gspo_lr1e4"),
-    ("HACPO above GSPO x2, both at lr 1e-4", "hacpo_lr1e4", "gspo_x2_lr1e4"),
-    ("GSPO x2 above GSPO, both at lr 1e-4", "gspo_x2_lr1e4", "gspo_lr1e4"),
-    ("HACPO above GSPO with three passes (the same update count), both at lr 1e-4", "hacpo_lr1e4",
-     "gspo_3passes_lr1e4"),
-]
-
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
 TRAIN_KEYS = ("cross_objective_share", "cross_gradient_share", "cross_ratio_mean", "cross_clipped_below", "cross_clipped_above",
-              "kl_to_init", "updates", "reward_mean")
+              "kl_to_init", "kl_init_before_step", "entropy", "updates", "reward_mean", "peer_ratio_mean",
+              "peer_clip_frac", "rescues", "trigger_rate", "own_all_wrong_prompts")
+# per-iteration figures of the evaluation kept from each run (SGT: did the rescues stick)
+EVAL_KEYS = ("rescued_now_accuracy", "rescued_now_n", "rescued_before_accuracy", "rescued_before_n")
 
 
 def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> config_mod.Config:
@@ -162,8 +213,16 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
         acc = [h["agents"][a]["eval_accuracy"] for h in history["iterations"]]
         train = [{k: v for k, v in u.get(a, {}).items()
                   if (k in TRAIN_KEYS or k.startswith("ratio/")) and isinstance(v, (int, float))} for u in updates]
+        its = history["iterations"]
         res["agents"][a] = {"eval_accuracy": acc, "rollouts": [per_iter * t for t in range(len(acc))],
-                            "train": train}
+                            "train": train,
+                            # the optimisation signatures per iteration (None at iteration 0): the
+                            # policy's entropy on its own samples during the update, and the KL of
+                            # the policy that generated the step's rollouts to the initial model
+                            "entropy": [h["agents"][a].get("entropy") for h in its],
+                            "kl": [h["agents"][a].get("kl_init_before_step", h["agents"][a].get("kl_to_init"))
+                                   for h in its],
+                            "eval": [{k: h["agents"][a][k] for k in EVAL_KEYS if k in h["agents"][a]} for h in its]}
     shutil.rmtree(run_dir / "runs", ignore_errors=True)  # checkpoints are not kept: only the curves
     return res
 
@@ -181,13 +240,7 @@ def auc(x: list[float], y: list[float], budget: float) -> float:
 def paired_difference(results: list[dict], agent: str, hi: str, lo: str) -> dict | None:
     """Final accuracy of ``hi`` minus ``lo`` for ``agent``, paired by seed (the same pool, prompts
     and sampling seed): mean, standard error of the mean difference, seeds; None if not both ran."""
-    final = {(r["contender"], r["seed"]): r["agents"][agent]["eval_accuracy"][-1] for r in results}
-    seeds = sorted({s for c, s in final if c == hi} & {s for c, s in final if c == lo})
-    if not seeds:
-        return None
-    d = np.array([final[(hi, s)] - final[(lo, s)] for s in seeds])
-    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
-    return {"mean": float(d.mean()), "se": se, "seeds": len(d)}
+    return paired(results, hi, lo, lambda r: r["agents"][agent]["eval_accuracy"][-1])
 
 
 def verdict(diff: dict) -> str:
@@ -228,19 +281,71 @@ def summarize(results: list[dict]) -> dict:
     return table
 
 
-def findings(results: list[dict]) -> list[dict]:
-    """The paper's claims and the one-change contrasts (:data:`CLAIMS`), per agent, as paired
-    differences of the final held-out accuracy (mean +- s.e. over seeds) with a verdict."""
+def _signature(run: dict, agent: str, key: str) -> float:
+    """A run's mean over iterations of ``entropy`` or ``kl`` (the optimisation signatures)."""
+    vals = [v for v in run["agents"][agent].get(key, []) if v is not None]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def paired(results: list[dict], hi: str, lo: str, value) -> dict | None:
+    """``value(run)`` of ``hi`` minus that of ``lo``, paired by seed: mean, s.e., seeds (None if
+    no seed has both or the value is undefined)."""
+    runs = {(r["contender"], r["seed"]): r for r in results}
+    seeds = sorted({s for c, s in runs if c == hi} & {s for c, s in runs if c == lo})
+    d = np.array([value(runs[(hi, s)]) - value(runs[(lo, s)]) for s in seeds], dtype=float)
+    if not len(d) or not np.all(np.isfinite(d)):
+        return None
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return {"mean": float(d.mean()), "se": se, "seeds": len(d)}
+
+
+def _cell(d: dict, scale: float, kind: str) -> dict:
+    v = verdict(d)
+    if kind == "equal":  # the claim is "no difference": within noise is what holds
+        v = "holds" if v == "within noise" else "differs"
+    return {"points": round(scale * d["mean"], 4 if scale == 1 else 2), "stderr_points": round(scale * d["se"], 4 if scale == 1 else 2),
+            "seeds": d["seeds"], "verdict": v}
+
+
+def findings(results: list[dict], claims: list[tuple] | None = None) -> list[dict]:
+    """The suite's claims (:data:`HACPO_CLAIMS`, :data:`MUTUAL_CLAIMS`) per agent, as paired
+    differences over seeds (mean +- s.e.) with a verdict. Kinds: ``final`` held-out accuracy
+    (points); ``average``: the final accuracy averaged over the agents (one cell, ``all agents``);
+    ``every_checkpoint``: the accuracy difference at every evaluated iteration after 0 -- holds
+    when no checkpoint is reversed, the cell shows the smallest difference; ``equal``: holds when
+    the final difference is within noise; ``entropy`` / ``kl``: the signature's mean over
+    iterations (raw units)."""
     out = []
     agents = list(results[0]["agents"])
-    for text, hi, lo in CLAIMS:
-        diffs = {a: d for a in agents if (d := paired_difference(results, a, hi, lo)) is not None}
+    for claim in claims if claims is not None else HACPO_CLAIMS:
+        text, hi, lo, kind = (*claim, "final")[:4]
+        diffs: dict = {}
+        if kind == "average":
+            d = paired(results, hi, lo, lambda r: float(np.mean([r["agents"][a]["eval_accuracy"][-1] for a in agents])))
+            if d is not None:
+                diffs["all agents"] = _cell(d, 100, kind)
+        for a in agents if kind != "average" else []:
+            if kind in ("entropy", "kl"):
+                d = paired(results, hi, lo, lambda r, a=a: _signature(r, a, kind))
+                if d is not None:
+                    diffs[a] = _cell(d, 1, kind)
+            elif kind == "every_checkpoint":
+                n = min(len(r["agents"][a]["eval_accuracy"]) for r in results)
+                per = [paired(results, hi, lo, lambda r, t=t, a=a: r["agents"][a]["eval_accuracy"][t]) for t in range(1, n)]
+                per = [x for x in per if x is not None]
+                if per:
+                    worst = min(per, key=lambda x: x["mean"] + 2 * (x["se"] if np.isfinite(x["se"]) else 0))
+                    cell = _cell(worst, 100, kind)
+                    cell["verdict"] = "reversed" if any(verdict(x) == "reversed" for x in per) else "holds"
+                    cell["checkpoints"] = len(per)
+                    diffs[a] = cell
+            else:
+                d = paired(results, hi, lo, lambda r, a=a: r["agents"][a]["eval_accuracy"][-1])
+                if d is not None:
+                    diffs[a] = _cell(d, 100, kind)
         if diffs:
-            out.append({"claim": text, "better": hi, "worse": lo,
-                        "differences": {a: {"points": round(100 * d["mean"], 2),
-                                            "stderr_points": round(100 * d["se"], 2),
-                                            "seeds": d["seeds"], "verdict": verdict(d)} for a, d in diffs.items()},
-                        "reproduces": all(verdict(d) == "holds" for d in diffs.values())})
+            out.append({"claim": text, "better": hi, "worse": lo, "kind": kind, "differences": diffs,
+                        "reproduces": all(x["verdict"] == "holds" for x in diffs.values())})
     return out
 
 
@@ -260,6 +365,10 @@ def _train_figures(row: dict, agent: str) -> str:
         parts.append(f"cross share of the objective {100 * t['cross_objective_share']:.0f}%")
     if "kl_to_init" in t:
         parts.append(f"KL {t['kl_to_init']:.4f}")
+    elif "kl_init_before_step" in t:
+        parts.append(f"KL to init {t['kl_init_before_step']:.4f}")
+    if "entropy" in t:
+        parts.append(f"entropy {t['entropy']:.3f}")
     return "; ".join(parts) or "-"
 
 
@@ -274,7 +383,7 @@ def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = summarize(results)
-    found = findings(results)
+    found = findings(results, SUITES[suite]["claims"] if suite in SUITES else None)
     seeds = sorted({r["seed"] for r in results})
     write_json(out_dir / "results.json", {"suite": suite, "setting": setting, "about": about, "seeds": seeds,
                                           "overrides": overrides, "wall_seconds": round(wall_s, 1), "runs": results,
@@ -295,6 +404,25 @@ def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, 
         fig.tight_layout()
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
+    plots = ["accuracy_vs_iterations.png", "accuracy_vs_rollouts.png"]
+    for key, fname, ylabel in (("entropy", "entropy_vs_iterations.png", "policy entropy on own samples (nats/token)"),
+                               ("kl", "kl_vs_iterations.png", "KL(policy before the step || initial)")):
+        if not any(v is not None for r in results for a in agents for v in r["agents"][a].get(key, [])):
+            continue
+        fig, axes = plt.subplots(1, len(agents), figsize=(5 * len(agents), 4), squeeze=False)
+        for ax, a in zip(axes[0], agents):
+            for c in table["agents"][a]:
+                curves = [r["agents"][a][key] for r in results if r["contender"] == c]
+                its = [t for t in range(len(curves[0])) if all(cv[t] is not None for cv in curves)]
+                ax.plot(its, [float(np.mean([cv[t] for cv in curves])) for t in its], marker=".", label=c)
+            ax.set_title(a)
+            ax.set_xlabel("iteration")
+            ax.set_ylabel(ylabel + " (mean over seeds)", fontsize=8)
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        plots.append(fname)
     title = f"# Comparison suite `{suite}`" + (f", setting `{setting}`" if setting else "")
     kl = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm.kl_coef=")), None)
     lines = [title, "", *([about, ""] if about else []),
@@ -313,20 +441,69 @@ def write_report(results: list[dict], suite: str, out_dir: Path, wall_s: float, 
             lines.append(f"| {c} | {100 * row['final_mean']:.1f} +- {100 * row['final_std']:.1f} | "
                          f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
         lines.append("")
+    lines += rescue_lines(results, agents)
     lines += ["## Claims, paired by seed", "",
-              "Difference of final held-out accuracy (better - worse) in points, mean +- standard error over seeds "
-              "(same pool, prompts and sampling seed per pair); *holds* / *reversed*: beyond 2 s.e. either way.", "",
-              "| claim | " + " | ".join(agents) + " |", "|---|" + "---|" * len(agents)]
-    for f in found:
-        cells = []
-        for a in agents:
-            d = f["differences"].get(a)
-            cells.append(f"{d['points']:+.1f} +- {d['stderr_points']:.1f} {d['verdict']}" if d else "-")
-        lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
-    lines += ["", "Plots: `accuracy_vs_iterations.png`, `accuracy_vs_rollouts.png`. Raw curves and per-iteration "
+              "Difference (better - worse) of the final held-out accuracy in points, mean +- standard error over "
+              "seeds (same pool, prompts and sampling seed per pair); *holds* / *reversed*: beyond 2 s.e. either "
+              "way. *all agents*: the accuracy averaged over the agents. *Every checkpoint*: the smallest "
+              "difference over the iterations, *holds* when none is reversed. *Indistinguishable*: holds when "
+              "within noise. Entropy / KL claims: the mean over iterations, in nats.", "",
+              *claim_table(found, agents)]
+    lines += ["", "Plots: " + ", ".join(f"`{x}`" for x in plots) + ". Raw curves and per-iteration "
               "training figures: `results.json`.", ""]
     (out_dir / "README.md").write_text("\n".join(lines))
     return out_dir
+
+
+def claim_table(found: list[dict], agents: list[str]) -> list[str]:
+    """The markdown table of :func:`findings`: one row per claim, one column per agent (and
+    ``all agents`` when a claim is on the mean over agents)."""
+    cols = agents + (["all agents"] if any("all agents" in f["differences"] for f in found) else [])
+    lines = ["| claim | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for f in found:
+        cells = []
+        for a in cols:
+            d = f["differences"].get(a)
+            digits = 4 if f.get("kind") in ("entropy", "kl") else 1
+            cells.append(f"{d['points']:+.{digits}f} +- {d['stderr_points']:.{digits}f} {d['verdict']}" if d else "-")
+        lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def rescue_lines(results: list[dict], agents: list[str]) -> list[str]:
+    """A README section on SGT's rescues per agent and contender that made any: the trigger rate and
+    rescues per iteration, and the greedy accuracy on the rescued prompts right after the update
+    and at later iterations (means over iterations and seeds), empty when no run rescued."""
+    rows = []
+    for c in dict.fromkeys(r["contender"] for r in results):
+        for a in agents:
+            rs = [r for r in results if r["contender"] == c]
+            train = [x for r in rs for x in r["agents"][a].get("train", []) if "trigger_rate" in x]
+            if not train:
+                continue
+            ev = [x for r in rs for x in r["agents"][a].get("eval", [])]
+
+            def mean(key: str, src: list) -> str:
+                vals = [x[key] for x in src if key in x]
+                return f"{np.mean(vals):.3g}" if vals else "-"
+
+            def pct(key: str) -> str:
+                vals = [x[key] for x in ev if key in x]
+                return f"{100 * np.mean(vals):.1f}" if vals else "-"
+
+            rows.append(f"| {c} | {a} | {100 * float(np.mean([x['trigger_rate'] for x in train])):.1f} | "
+                        f"{mean('rescues', train)} | {mean('own_all_wrong_prompts', train)} | {pct('rescued_now_accuracy')} | "
+                        f"{pct('rescued_before_accuracy')} |")
+    if not rows:
+        return []
+    return ["## Success-gated rescues", "",
+            "Per iteration (means over iterations and seeds): the share of the learner's prompts where the gate "
+            "fired (all own samples wrong, a peer's verified success injected), responses injected, prompts "
+            "with all own samples wrong; then the learner's greedy accuracy on the prompts rescued at that "
+            "iteration, right after the update, and on those rescued at earlier iterations (did it stick?). "
+            "Before its rescue the learner had 0 of G samples right on each.", "",
+            "| contender | agent | trigger rate (%) | injected | all-wrong prompts | acc. on prompts rescued now (%) "
+            "| acc. on prompts rescued earlier (%) |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def write_index(suite_dir: Path, suite: str) -> Path:
@@ -343,12 +520,7 @@ def write_index(suite_dir: Path, suite: str) -> Path:
         lines += [f"## `{setting}`: {res.get('about', '')}", "",
                   f"{len(res['seeds'])} seeds, {len(res['runs'])} runs, {res['wall_seconds'] / 60:.0f} min. "
                   f"[details]({res_file.parent.name}/README.md)", "",
-                  "| claim | " + " | ".join(agents) + " |", "|---|" + "---|" * len(agents)]
-        for f in res["findings"]:
-            cells = [(f"{d['points']:+.1f} +- {d['stderr_points']:.1f} {d['verdict']}"
-                      if (d := f["differences"].get(a)) else "-") for a in agents]
-            lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  *claim_table(res["findings"], agents), ""]
     (suite_dir / "README.md").write_text("\n".join(lines))
     return suite_dir / "README.md"
 

@@ -222,6 +222,11 @@ class TrainerConfig:
     recompute_old_logprobs: bool = True
     """pi_old from the trainer's own forward before the step's first update (as verl does);
     False uses the generation log-probs recorded with the rollouts."""
+    measure_kl_to_init: bool = False
+    """Also measure KL(pi_old || pi_0), the policy that generated the step's rollouts against the
+    initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL
+    term (``algorithm.kl_coef`` 0); it costs one forward of the initial model per mini-batch.
+    Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender."""
 
 
 @dataclass
@@ -336,6 +341,10 @@ def validate(cfg: Config) -> Config:
            "algorithm.sample_multiplier", a.sample_multiplier, "must be an integer >= 1")
     _check(a.minibatch_order in ("prompt_groups", "source_blocks", "self_first"), "algorithm.minibatch_order",
            a.minibatch_order, "prompt_groups, source_blocks or self_first")
+    layouts = algorithms.LOSSES[a.loss.name].layouts
+    if layouts is not None:
+        _check(a.minibatch_order in layouts, "algorithm.minibatch_order", a.minibatch_order,
+               f"the {a.loss.name} loss works under {' or '.join(layouts)} only")
     if a.minibatch_order == "source_blocks":  # as the reference trainer validates its sizes
         per_update = cfg.trainer.mini_batch_prompts * cfg.rollout.group_size
         _check(per_update % cfg.samples_per_prompt == 0, "trainer.mini_batch_prompts", cfg.trainer.mini_batch_prompts,

@@ -275,6 +275,10 @@ def compute_capability_stats(cfg: Config, t: int) -> dict:
     return doc
 
 
+RESCUED_FILE = "rescued_prompts.json"
+"""In a learner's train state: prompt id -> the iteration SGT first rescued it (cumulative)."""
+
+
 def update_policies(cfg: Config, t: int) -> dict:
     """One policy update per learner on its training input; new HF checkpoint + recovery state."""
     from hacrl.experience import read_records
@@ -290,7 +294,7 @@ def update_policies(cfg: Config, t: int) -> dict:
         for ac in cfg.agents:
             agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
             ref = None
-            if cfg.algorithm.kl_coef > 0:
+            if cfg.algorithm.kl_coef > 0 or cfg.trainer.measure_kl_to_init:
                 ref = load_agent(ac, lay.checkpoint(0, ac.name), cfg.trainer.dtype).model
             batch = read_records(lay.learner_input(t, ac.name), "learner_input")
             side = lay.learner_input(t, ac.name, "reward_stats")
@@ -299,15 +303,38 @@ def update_policies(cfg: Config, t: int) -> dict:
                 prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
                 ref_model=ref, omega=capability["omega"],
                 reward_stats=read_records(side, "reward_stats") if side.exists() else None)
+            if "rescued_prompts" in stats[ac.name]:  # SGT: which prompts were rescued, and when
+                prev_file = lay.train_state(t - 1) / ac.name / RESCUED_FILE
+                so_far = read_json(prev_file) if prev_file.exists() else {}
+                so_far.update({p: t for p in stats[ac.name]["rescued_prompts"] if p not in so_far})
+                write_json(tmp_st / ac.name / RESCUED_FILE, so_far)
+                stats[ac.name]["rescued_so_far"] = so_far
             agent.model.save_pretrained(tmp_ck / ac.name)
             agent.tokenizer.save_pretrained(tmp_ck / ac.name)
-            log.info("update %s: %s", ac.name, stats[ac.name])
+            log.info("update %s: %s", ac.name, {k: v for k, v in stats[ac.name].items()
+                                                 if k not in ("rescued_so_far", "rescued_prompts", "per_update")})
     write_json(lay.update_stats(t), without_timings(stats))
     return stats
 
 
 def standard_error(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def rescue_accuracy(cfg: Config, agent, verifier, rescued: dict[str, int], t: int) -> dict:
+    """Greedy pass@1 of ``agent`` (after iteration t's update) on the training prompts SGT rescued
+    for it: those rescued at t (``rescued_now``) and at earlier iterations (``rescued_before``,
+    whether a rescue still holds later). Before its rescue the learner had 0 of G right on each."""
+    from hacrl.warmup import greedy_accuracy
+
+    by_id = {p["id"]: p for p in _split(cfg, "train")}
+    out: dict = {}
+    for key, probs in (("rescued_now", [by_id[i] for i, it in sorted(rescued.items()) if it == t]),
+                       ("rescued_before", [by_id[i] for i, it in sorted(rescued.items()) if it < t])):
+        if probs:
+            acc, _ = greedy_accuracy(agent, probs, verifier, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            out.update({f"{key}_accuracy": acc, f"{key}_n": len(probs)})
+    return out
 
 
 def evaluate(cfg: Config, t: int) -> dict:
@@ -338,6 +365,11 @@ def evaluate(cfg: Config, t: int) -> dict:
                 us = update_stats[ac.name]
                 m["entropy"] = us["entropy"]
                 m["grad_norm"] = us["grad_norm"]
+                for k in ("kl_to_init", "kl_init_before_step", "trigger_rate", "rescues"):
+                    if k in us:
+                        m[k] = us[k]
+                if us.get("rescued_so_far"):  # SGT: did the rescues stick?
+                    m.update(rescue_accuracy(cfg, agent, ver, us["rescued_so_far"], t))
             metrics["agents"][ac.name] = m
             log.info("eval it%d %s: acc %.3f +- %.3f", t, ac.name, acc, m["eval_stderr"])
     prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}

@@ -105,7 +105,8 @@ def advantage_inputs(batch: pd.DataFrame, cfg: Config, learner: str, omega: dict
         is_self=torch.tensor(batch["is_self"].to_numpy(), dtype=torch.bool),
         source_ids=torch.tensor(batch["producer"].map(names.index).to_numpy(), dtype=torch.long),
         learner=names.index(learner), omega=om,
-        producer_advantages=torch.tensor(batch["advantage"].to_numpy(), dtype=torch.float32))
+        producer_advantages=torch.tensor(batch["advantage"].to_numpy(), dtype=torch.float32),
+        verified=torch.tensor((batch["verdict"] == "correct").to_numpy(), dtype=torch.bool))
     if reward_stats is not None and len(reward_stats):
         pooled = pooled_reward_stats(reward_stats).set_index("prompt_id")
         missing = set(batch["prompt_id"]) - set(pooled.index)
@@ -167,6 +168,32 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
     return out
 
 
+def rescue_figures(samples: list[tuple[np.ndarray, dict]], batch: pd.DataFrame) -> dict:
+    """SGT's step figures from the rows a loss flagged ``rescued`` (in any update): the prompts
+    rescued (sorted ids), how many peer responses were injected, the prompts whose own samples
+    were all wrong, and the trigger rate (rescued prompts over the learner's prompts)."""
+    rescued = sorted({int(i) for idx, vals in samples for i, r in zip(idx, vals["rescued"].numpy()) if r > 0})
+    own = batch[batch["is_self"].astype(bool)]
+    per_prompt = own.groupby("prompt_id")["verdict"].apply(lambda v: bool((v == "correct").any()))
+    prompts = sorted(set(batch["prompt_id"].iloc[rescued]))
+    return {"rescued_prompts": prompts, "rescues": len(rescued),
+            "own_all_wrong_prompts": int((~per_prompt).sum()),
+            "trigger_rate": len(prompts) / max(1, len(per_prompt))}
+
+
+def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor], is_self: torch.Tensor) -> float | None:
+    """KL(pi_old || pi_ref) by k3 over the learner's own samples (drawn from pi_old), one value per
+    sample then their mean; None without own samples."""
+    per = []
+    for (idx, _ids, _attn, resp, *_), o, r in zip(packed, old, ref):
+        sm = resp * is_self[idx][:, None]
+        rows = sm.sum(1) > 0
+        if bool(rows.any()):
+            d = r - o
+            per.append(masked_mean(torch.exp(d) - d - 1, sm, dim=1)[rows])
+    return float(torch.cat(per).mean()) if per else None
+
+
 def _summary(logs: list[dict]) -> dict:
     """Per-update metrics of the loss -> one figure each (keys ending in _min / _max: the min /
     max over updates; others: the mean), over the updates where the metric is finite; a metric
@@ -196,8 +223,17 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     a, tc = cfg.algorithm, cfg.trainer
     t0 = time.time()
     adv_inp = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
+    loss_reg = LOSSES[a.loss.name]
+    offered = len(batch)
+    if loss_reg.rows is not None:  # rows the loss can never use cost no forward pass
+        keep = loss_reg.rows(adv_inp, a.loss).numpy()
+        batch = batch[keep].reset_index(drop=True)
+        adv_inp = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
     adv = ADVANTAGES[a.advantage.name].fn(adv_inp, a.advantage)
-    loss_fn = LOSSES[a.loss.name].fn
+    loss_fn = loss_reg.fn
+    # a seeded uniform key per record, for losses that choose among rows at random
+    choice_key = torch.tensor([random.Random(f"{seed}/{rid}").random() for rid in batch["record_id"]],
+                              dtype=torch.float32)
     is_self_all = adv_inp.is_self
     behavior_mean = torch.tensor(batch["behavior_logprob_mean"].to_numpy(), dtype=torch.float32)
     # omega[source][learner] of each sample: the discrepancy coefficient
@@ -233,6 +269,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         ref = []
         if ref_model is not None:
             ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature) for _, ids, attn, *_ in packed]
+        kl_before = kl_old_to_ref(packed, old, ref, is_self_all) if ref else None
 
     logs, loss_metrics, samples = [], {}, []
     rng = random.Random(seed)
@@ -247,7 +284,9 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             sf = is_self_all[idx]
             loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m], mask=resp, advantages=adv[idx],
                                            is_self=sf, omega_src=omega_src[idx], behavior_logp=behavior,
-                                           behavior_logp_mean=behavior_mean[idx], update_index=update_index),
+                                           behavior_logp_mean=behavior_mean[idx], update_index=update_index,
+                                           rewards=adv_inp.rewards[idx], group_ids=adv_inp.group_ids[idx],
+                                           verified=adv_inp.verified[idx], choice_key=choice_key[idx]),
                                 a.loss)
             update_index += 1
             per_sample = met.pop("samples", None)
@@ -255,11 +294,14 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                 samples.append((idx, {k: v.detach().float() for k, v in per_sample.items()}))
             loss_metrics.update(dict.fromkeys(met))
             # KL on self samples only; an update without any (a cross block) has no KL term
-            kl = kl_k3(logp, ref[m], resp * sf[:, None]) if ref and bool(sf.any()) else None
+            kl = kl_k3(logp, ref[m], resp * sf[:, None]) if ref and a.kl_coef > 0 and bool(sf.any()) else None
             if kl is not None:
                 loss = loss + a.kl_coef * kl
             gn = opt.step(loss)
-            logs.append({"loss": loss.item(), "grad_norm": gn, "entropy": masked_mean(ent.detach(), resp).item(),
+            # the policy's entropy on its own samples (a peer's text says little about the learner's)
+            own_tok = resp * sf[:, None]
+            logs.append({"loss": loss.item(), "grad_norm": gn,
+                         "entropy": masked_mean(ent.detach(), own_tok).item() if bool(sf.any()) else float("nan"),
                          **({"kl": kl.item()} if kl is not None else {}), **met})
     opt.save_state(out_state)
     secs = time.time() - t0
@@ -267,9 +309,13 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     summary = _summary(logs)
     if "kl" in summary:
         summary["kl_to_init"] = summary.pop("kl")
+    if kl_before is not None:
+        summary["kl_init_before_step"] = kl_before
     rewards = adv_inp.rewards
     if samples:
         summary.update(sample_figures(samples, batch["producer"].to_numpy(), agent.name))
+        if "rescued" in samples[0][1]:
+            summary.update(rescue_figures(samples, batch))
     return {"samples": len(batch), "updates": len(logs), "total_updates": opt.state.updates, **summary,
             # the first update's ratio on the learner's own samples (1 by construction); absent
             # when that update holds none
@@ -283,5 +329,6 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "cross_samples": int((~is_self_all).sum()),
+            **({"rows_dropped_by_loss": offered - len(batch)} if loss_reg.rows is not None else {}),
             "gen_vs_train_logprob_maxdiff": gen_gap, "seconds": round(secs, 2),
             "tokens_per_s": round(n_tok * tc.epochs / max(secs, 1e-9), 1)}
