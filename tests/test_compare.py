@@ -171,3 +171,29 @@ def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
     assert "Success-gated rescues" in readme
     for png in ("entropy_vs_iterations.png", "kl_vs_iterations.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypatch):
+    from hacrl import compare
+    from hacrl.storage import write_json
+
+    ran = []
+
+    def fake_run(name, overrides, seed, out):
+        ran.append((name, seed))
+        return {"contender": name, "seed": seed, "agents": {"a": {"eval_accuracy": [0.1, 0.2], "rollouts": [0, 8]}}}
+
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out: None)
+    monkeypatch.setattr(compare, "run_contender", fake_run)
+    st = SUITES["hacpo"]["settings"]["shared_tok"]
+    out = tmp_path / "w" / "hacpo" / "shared_tok"
+    done = {"contender": "gspo", "seed": 0, "agents": {"a": {"eval_accuracy": [0.1, 0.3], "rollouts": [0, 8]}}}
+    write_json(out / "gspo" / "seed0" / compare.RESULT_FILE,
+               {**done, "overrides": st["base"] + SUITES["hacpo"]["all"]["gspo"] + ["experiment.seed=0"]})
+    # another contender's file written with other overrides (another pool) is not reused
+    write_json(out / "hacpo" / "seed0" / compare.RESULT_FILE, {**done, "contender": "hacpo", "overrides": ["x"]})
+    compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
+                      contenders=["gspo", "hacpo"], resume=True)
+    assert ran == [("hacpo", 0)]
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"]: r["agents"]["a"]["eval_accuracy"][-1] for r in res["runs"]} == {"gspo": 0.3, "hacpo": 0.2}

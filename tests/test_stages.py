@@ -266,3 +266,30 @@ def test_sgt_injects_a_peer_success_where_the_learner_failed_and_measures_if_it_
     ev = stages.evaluate(cfg_s, 1)["agents"]
     assert ev[a.name]["rescued_now_n"] == 3 and 0 <= ev[a.name]["rescued_now_accuracy"] <= 1
     assert "rescued_before_n" not in ev[a.name] and "rescued_now_n" not in ev[b.name]
+
+
+def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
+    """The saved RNG state of a first step is seeded (numpy's and Python's generators start from OS
+    entropy in every new process), so DVC sees the same train_state when a stage re-runs."""
+    import hashlib
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    cfg, _ = pipeline
+    script = ("import json, sys\nfrom hacrl import config, stages\n"
+              "d = config.compose(json.loads(sys.argv[1]))\n"
+              "d['experiment']['runs_dir'], d['experiment']['reports_dir'] = sys.argv[2], sys.argv[3]\n"
+              "stages.update_policies(config.from_dict(d), 1)\n")
+    digests = []
+    for k in range(2):  # two processes, as two `dvc repro` runs would be
+        runs = tmp_path / f"r{k}" / "runs"
+        shutil.copytree(cfg.experiment.runs_dir, runs)
+        p = subprocess.run([sys.executable, "-c", script, json.dumps(SMOKE + ["algorithm=gspo"]), str(runs),
+                            str(tmp_path / f"r{k}" / "reports")], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        state = RunLayout(runs).train_state(1)
+        digests.append({f.relative_to(state).as_posix(): hashlib.md5(f.read_bytes()).hexdigest()
+                        for f in sorted(state.rglob("*")) if f.is_file()})
+    assert digests[0] == digests[1] and len(digests[0]) >= 2

@@ -127,7 +127,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from hacrl.compare import run_suite
 
     contenders = args.contenders.split(",") if args.contenders else None
-    out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting)
+    out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
+                    resume=args.resume)
     print(f"report: {out / 'README.md'}")
     return 0
 
@@ -180,11 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     cp = sub.add_parser("compare", help="run a comparison suite (e.g. hacpo) and write reports/<suite>/")
     cp.add_argument("--suite", default="hacpo")
     cp.add_argument("--setting", default="default",
-                    help="the suite's setting (hacpo: default, shared_tok, worked); reports/<suite>/<setting>/")
+                    help="the suite's setting (hacpo: default, shared_tok, worked; mutual: default, worked); "
+                         "reports/<suite>/<setting>/")
     cp.add_argument("--seeds", type=int, default=3)
     cp.add_argument("--contenders", default=None, help="comma-separated subset (default: the whole suite)")
     cp.add_argument("--work-dir", default="compare", help="scratch directory (pool, per-run state)")
     cp.add_argument("--reports-dir", default="reports")
+    cp.add_argument("--resume", action="store_true",
+                    help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
     cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
     cp.set_defaults(fn=cmd_compare)
     sv = sub.add_parser("serve", help="start Prefect (server, pools, deployments, workers) and the MLflow UI")

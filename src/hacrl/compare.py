@@ -191,6 +191,22 @@ def prepare_base(base_overrides: list[str], out: Path) -> config_mod.Config:
     return cfg
 
 
+RESULT_FILE = "result.json"
+"""A finished run's curves, next to its scratch state (``<work>/<suite>/<setting>/<contender>/seed<k>/``)."""
+
+
+def finished_run(name: str, overrides: list[str], seed: int, out: Path) -> dict | None:
+    """The curves an earlier (interrupted) suite wrote for this contender and seed, if its
+    overrides were the same; None otherwise."""
+    f = out / name / f"seed{seed}" / RESULT_FILE
+    if not f.exists():
+        return None
+    res = read_json(f)
+    if res.pop("overrides", None) != overrides + [f"experiment.seed={seed}"]:
+        return None
+    return res
+
+
 def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict:
     """One contender with one seed from the prepared iteration 0; returns its curves."""
     base = out / "base"
@@ -224,6 +240,7 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
                                    for h in its],
                             "eval": [{k: h["agents"][a][k] for k in EVAL_KEYS if k in h["agents"][a]} for h in its]}
     shutil.rmtree(run_dir / "runs", ignore_errors=True)  # checkpoints are not kept: only the curves
+    write_json(run_dir / RESULT_FILE, {**res, "overrides": overrides + [f"experiment.seed={seed}"]})
     return res
 
 
@@ -527,11 +544,12 @@ def write_index(suite_dir: Path, suite: str) -> Path:
 
 def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_dir: str | os.PathLike = "compare",
               reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
-              setting: str = "default") -> Path:
+              setting: str = "default", resume: bool = False) -> Path:
     """Run ``suite`` in ``setting`` for ``seeds`` seeds (0..seeds-1) and write
     ``reports/<suite>/<setting>/`` and the suite's index. With ``contenders`` given, the runs of
     other contenders already in that setting's report (same overrides: the same prepared pool)
-    are kept, so a probe can be added to a finished suite."""
+    are kept, so a probe can be added to a finished suite. With ``resume``, runs an interrupted
+    suite finished with the same overrides are reused rather than run again."""
     if suite not in SUITES:
         raise config_mod.ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
@@ -551,9 +569,10 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
 
     jobs = [(c, s) for s in range(seeds) for c in chosen]
     for c, s in tqdm(jobs, desc=f"compare {suite}/{setting}"):
-        r = run_contender(c, base_overrides + spec["all"][c], s, out)
+        r = (finished_run(c, base_overrides + spec["all"][c], s, out) if resume else None) \
+            or run_contender(c, base_overrides + spec["all"][c], s, out)
         log.info("%s seed %d: %s (%.0fs)", c, s, {a: round(v["eval_accuracy"][-1], 3) for a, v in r["agents"].items()},
-                 r["seconds"])
+                 r.get("seconds", 0.0))
         results.append(r)
     suite_dir = Path(reports_dir).resolve() / suite
     wall = time.time() - t0

@@ -64,6 +64,14 @@ def capture_rng() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
+def seed_rng(seed: int) -> None:
+    """Seed torch, numpy and Python's global generators (numpy's and Python's start from OS
+    entropy otherwise, so a saved RNG state would differ from run to run)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def restore_rng(rng: dict) -> None:
     if not rng:
         return

@@ -21,7 +21,7 @@ from hacrl.config import Config
 from hacrl.experience import pooled_reward_stats
 from hacrl.pool import Agent
 from hacrl.scoring import pack, token_logprobs
-from hacrl.trainer import PolicyOptimizer
+from hacrl.trainer import PolicyOptimizer, seed_rng
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
 
     samples_per_mb = max(len(i) for i in mbs) if mbs else 1
     opt = PolicyOptimizer(agent.model, tc, samples_per_mb)
+    seed_rng(seed)  # a first step's saved RNG state is then reproducible; a resumed one is restored
     opt.load_state(prev_state)
     model = opt.model
     model.eval()  # no dropout in RL updates; gradients still flow
