@@ -41,10 +41,15 @@ def test_every_mutual_contender_composes(setting):
     from hacrl import config
 
     st = SUITES["mutual"]["settings"][setting]
-    for c in st["contenders"]:
+    # every contender, the on-demand probes included, composes in every setting
+    for c in SUITES["mutual"]["all"]:
         cfg = config.from_dict(config.compose(st["base"] + SUITES["mutual"]["all"][c]))
         assert cfg.trainer.measure_kl_to_init and cfg.algorithm.kl_coef == 0 and cfg.rollout.prompts_per_iteration == 128
-    assert set(st["contenders"]) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt"}
+        if c == "sgt_nll0":
+            assert cfg.algorithm.loss.nll_weight == 0
+        if c.endswith("_lr1e4"):
+            assert cfg.trainer.lr == 1e-4
+    assert set(st["contenders"]) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt", "sgt_nll0"}
 
 
 def synthetic(contender, seed, curves, entropy=None, kl=None):

@@ -258,6 +258,11 @@ def test_sgt_injects_a_peer_success_where_the_learner_failed_and_measures_if_it_
     assert out["rescued_prompts"] == prompts[:3] and out["rescues"] == 3
     assert out["own_all_wrong_prompts"] == 15 and out["trigger_rate"] == pytest.approx(3 / 16)
     assert out["rescued_so_far"] == {p: 1 for p in prompts[:3]}
+    # the reward diagnostic is the learner's own (one success in its own samples); the pooled
+    # figure counts the 12 injected candidates too
+    n_own = int(inp["is_self"].sum())
+    assert out["reward_mean"] == pytest.approx(1 / n_own)
+    assert out["reward_mean_pooled"] == pytest.approx(13 / (n_own + 12))
     assert read_json(lay.train_state(1) / a.name / stages.RESCUED_FILE) == out["rescued_so_far"]
     # the peer b has no all-wrong prompt with a success of a: nothing to inject
     b_out = read_json(lay.update_stats(1))[b.name]

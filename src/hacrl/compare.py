@@ -97,7 +97,16 @@ MUTUAL_CONTENDERS = {
     "prp_thl": ["algorithm=prp", "algorithm.loss.peer_denominator=thl_aligned_peer"],
     "xgrpo": ["algorithm=xgrpo"],
     "sgt": ["algorithm=sgt"],
+    # SGT's control: the same row filter and layout with the NLL weight 0, so GRPO plus nothing --
+    # is SGT's gain the injected answers?
+    "sgt_nll0": ["algorithm=sgt", "algorithm.loss.nll_weight=0"],
+    # step-size probes (run on demand with --contenders): HACPO's ordering appeared only at lr 1e-4
+    "grpo_lr1e4": ["algorithm=grpo", "trainer.lr=1e-4"],
+    "prp_lr1e4": ["algorithm=prp", "trainer.lr=1e-4"],
+    "prp_thl_lr1e4": ["algorithm=prp", "algorithm.loss.peer_denominator=thl_aligned_peer", "trainer.lr=1e-4"],
+    "sgt_lr1e4": ["algorithm=sgt", "trainer.lr=1e-4"],
 }
+MUTUAL_CORE = ["grpo", "prp", "prp_thl", "xgrpo", "sgt", "sgt_nll0"]
 
 MUTUAL_CLAIMS = [
     ("SGT above GRPO on the mean over agents", "sgt", "grpo", "average"),
@@ -116,6 +125,14 @@ MUTUAL_CLAIMS = [
     ("THL-aligned PRP above snapshot PRP", "prp_thl", "prp"),
     ("THL-aligned PRP keeps more entropy than snapshot PRP", "prp_thl", "prp", "entropy"),
     ("THL-aligned PRP drifts less (KL) than snapshot PRP", "prp", "prp_thl", "kl"),
+    ("SGT above its control with lambda 0 (the injected answers carry the gain)", "sgt", "sgt_nll0"),
+    ("SGT with lambda 0 indistinguishable from GRPO", "sgt_nll0", "grpo", "equal"),
+    ("SGT above GRPO on the mean over agents, both at lr 1e-4", "sgt_lr1e4", "grpo_lr1e4", "average"),
+    ("SGT above GRPO, both at lr 1e-4", "sgt_lr1e4", "grpo_lr1e4"),
+    ("PRP below GRPO, both at lr 1e-4", "grpo_lr1e4", "prp_lr1e4"),
+    ("PRP (THL-aligned) below GRPO, both at lr 1e-4", "grpo_lr1e4", "prp_thl_lr1e4"),
+    ("PRP raises the KL to the initial model, both at lr 1e-4", "prp_lr1e4", "grpo_lr1e4", "kl"),
+    ("PRP at lr 1e-4 above PRP at lr 5e-4", "prp_lr1e4", "prp"),
 ]
 
 # Mutual RL's step: GRPO's embedded settings at the HACPO suite's step size (128 prompts, 8 samples
@@ -144,11 +161,11 @@ SUITES: dict[str, dict] = {
         "settings": {
             "default": {"about": "the embedded pool (three tokenizers), boxed answers",
                         "base": [*MUTUAL_STEP, "experiment.iterations=6"],
-                        "contenders": list(MUTUAL_CONTENDERS)},
+                        "contenders": MUTUAL_CORE},
             "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
                        "base": [*MUTUAL_STEP, "experiment.iterations=5", "data=arith_worked",
                                 "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],
-                       "contenders": list(MUTUAL_CONTENDERS)},
+                       "contenders": MUTUAL_CORE},
         },
         "all": MUTUAL_CONTENDERS,
         "claims": MUTUAL_CLAIMS,

@@ -327,7 +327,10 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             # still moves the weights along its momentum
             "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs]
                            for k in [*loss_metrics, "grad_norm"]},
-            "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+            # the learner's own samples only: a sharing algorithm's peer rows (SGT's injected
+            # successes, HACPO's cross samples) would otherwise make the learner look better
+            "reward_mean": float(rewards[is_self_all].mean()) if bool(is_self_all.any()) else 0.0,
+            **({"reward_mean_pooled": float(rewards.mean())} if bool((~is_self_all).any()) else {}),
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "cross_samples": int((~is_self_all).sum()),
             **({"rows_dropped_by_loss": offered - len(batch)} if loss_reg.rows is not None else {}),
