@@ -150,6 +150,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resources(args: argparse.Namespace) -> int:
+    from hacrl import config as config_mod
+    from hacrl.resources import plan
+
+    cfg = config_mod.from_dict(config_mod.compose(args.overrides)) if args.overrides else config_mod.load(args.params)
+    p = plan(cfg.resources, [a.name for a in cfg.agents])
+    print(json.dumps(p.to_dict(), indent=2) if args.json else p.describe())
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from hacrl.services import stop
 
@@ -199,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--gpu-workers", type=int, default=None, help="workers on the gpu pool (default: 1 if GPUs)")
     sv.add_argument("--no-mlflow-ui", action="store_true")
     sv.set_defaults(fn=cmd_serve)
+    rs = sub.add_parser("resources", help="print the MWRA plan: which devices each agent's rollout and "
+                                          "update use, and what runs at the same time")
+    rs.add_argument("overrides", nargs="*", help="Hydra overrides (default: read --params)")
+    rs.add_argument("--params", default=None)
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(fn=cmd_resources)
     st = sub.add_parser("stop", help="stop what `hacrl serve` started")
     st.add_argument("--project", default=".")
     st.set_defaults(fn=cmd_stop)

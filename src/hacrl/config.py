@@ -273,6 +273,55 @@ class TrackingConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """One device of the inventory."""
+
+    id: str = "cpu"
+    """``cpu`` or ``cuda:N`` (what the job's process is given: ``CUDA_VISIBLE_DEVICES`` for a GPU)."""
+    memory_gib: float = 0.0
+    """Memory a job may use there; 0: not declared (not checked, e.g. the CPU host)."""
+
+
+@dataclass
+class StageResources:
+    """What one agent's job of one stage needs."""
+
+    devices: int = 1
+    """Devices the job spans: vLLM's tensor-parallel size for a rollout, DeepSpeed's world size
+    for an update."""
+    memory_gib: float = 0.0
+    """Memory per device; 0: not checked."""
+    max_batch_tokens: int = 0
+    """Token budget per forward batch given to the engine (0: the engine's default)."""
+    pin: list[str] | None = None
+    """Explicit device ids (else the planner chooses); ``devices`` then counts them."""
+
+
+@dataclass
+class AgentResourcesConfig:
+    rollout: StageResources = field(default_factory=StageResources)
+    """Rollouts and evaluation (the generation engine)."""
+    update: StageResources = field(default_factory=StageResources)
+
+
+@dataclass
+class ResourcesConfig:
+    """MWRA (docs/SCALING.md): the device inventory and each agent's needs; ``hacrl resources``
+    prints the plan. No effect on results, only on where and when jobs run."""
+
+    devices: list[DeviceConfig] = field(default_factory=lambda: [DeviceConfig()])
+    engines_alive: int = 0
+    """Rollout engines alive at once (0: as many as the devices allow)."""
+    engine_release: str = "sleep"
+    """What an engine does when an update needs its devices: ``sleep`` (vLLM sleep mode: weights
+    and KV cache leave the device, the process stays) or ``stop``."""
+    default: AgentResourcesConfig = field(default_factory=AgentResourcesConfig)
+    """The needs of an agent not listed in ``agents``."""
+    agents: dict[str, AgentResourcesConfig] = field(default_factory=dict)
+    """Per agent name."""
+
+
+@dataclass
 class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -284,6 +333,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def agent(self, name: str) -> AgentConfig:
         for a in self.agents:
@@ -296,7 +346,9 @@ class Config:
         return self.rollout.group_size * self.algorithm.sample_multiplier
 
 
-_LIST_OF = {"AgentConfig": AgentConfig, "StreamConfig": StreamConfig}
+_LIST_OF = {"AgentConfig": AgentConfig, "StreamConfig": StreamConfig, "DeviceConfig": DeviceConfig}
+_DICT_OF = {"AgentResourcesConfig": AgentResourcesConfig}
+_NESTED = {"StageResources": StageResources}
 
 
 def _build(cls: type, data: Any, key: str) -> Any:
@@ -312,8 +364,12 @@ def _build(cls: type, data: Any, key: str) -> Any:
             raise ConfigError(f"{key}.{k}: unknown key (value {v!r})")
         ftype = fields[k].type
         sub = f"{key}.{k}" if key else k
-        if isinstance(ftype, str) and ftype.endswith("Config") and ftype in globals():
+        if isinstance(ftype, str) and ((ftype.endswith("Config") and ftype in globals()) or ftype in _NESTED):
             kwargs[k] = _build(globals()[ftype], v, sub)
+        elif isinstance(ftype, str) and ftype.startswith("dict[str, ") and ftype[10:-1] in _DICT_OF:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{sub}: expected a mapping, got {v!r}")
+            kwargs[k] = {str(n): _build(_DICT_OF[ftype[10:-1]], a, f"{sub}.{n}") for n, a in v.items()}
         elif isinstance(ftype, str) and ftype.startswith("list[") and ftype[5:-1] in _LIST_OF:
             if not isinstance(v, list):
                 raise ConfigError(f"{sub}: expected a list, got {v!r}")
@@ -417,6 +473,32 @@ def validate(cfg: Config) -> Config:
     _check(isinstance(o.retries, int) and o.retries >= 0, "orchestration.retries", o.retries, "must be >= 0")
     _check(o.lock_timeout_s >= 0, "orchestration.lock_timeout_s", o.lock_timeout_s, "must be >= 0")
     _check("/" in o.gpu_deployment, "orchestration.gpu_deployment", o.gpu_deployment, "flow/deployment")
+    rs = cfg.resources
+    _check(bool(rs.devices), "resources.devices", rs.devices, "the inventory needs at least one device")
+    ids = [x.id for x in rs.devices]
+    _check(len(set(ids)) == len(ids), "resources.devices", ids, "duplicate device id")
+    for i, x in enumerate(rs.devices):
+        _check(isinstance(x.id, str) and (x.id == "cpu" or x.id.startswith("cuda:") and x.id[5:].isdigit()),
+               f"resources.devices[{i}].id", x.id, "cpu or cuda:N")
+        _check(isinstance(x.memory_gib, (int, float)) and x.memory_gib >= 0, f"resources.devices[{i}].memory_gib",
+               x.memory_gib, "must be >= 0")
+    _check(isinstance(rs.engines_alive, int) and rs.engines_alive >= 0, "resources.engines_alive",
+           rs.engines_alive, "must be an integer >= 0")
+    _check(rs.engine_release in ("sleep", "stop"), "resources.engine_release", rs.engine_release, "sleep or stop")
+    for who, ar in [("default", rs.default), *((f"agents.{n}", v) for n, v in rs.agents.items())]:
+        for st in ("rollout", "update"):
+            sr = getattr(ar, st)
+            key = f"resources.{who}.{st}"
+            _check(isinstance(sr.devices, int) and sr.devices >= 0, f"{key}.devices", sr.devices, "must be an integer >= 0")
+            _check(isinstance(sr.memory_gib, (int, float)) and sr.memory_gib >= 0, f"{key}.memory_gib",
+                   sr.memory_gib, "must be >= 0")
+            _check(isinstance(sr.max_batch_tokens, int) and sr.max_batch_tokens >= 0, f"{key}.max_batch_tokens",
+                   sr.max_batch_tokens, "must be an integer >= 0")
+            _check(sr.pin is None or (isinstance(sr.pin, list) and sr.pin), f"{key}.pin", sr.pin,
+                   "null or a non-empty list of device ids")
+    from hacrl import resources  # the planner: a demand no device meets fails here, before any work
+
+    resources.check(rs, [ag.name for ag in cfg.agents])
     d = cfg.data
     _check(d.source in ("procedural", "files"), "data.source", d.source, "procedural or files")
     _check(d.on_bad_row in ("error", "skip"), "data.on_bad_row", d.on_bad_row, "error or skip")

@@ -1,0 +1,215 @@
+"""Multi-workload resource allocation (MWRA): which devices each agent's rollouts and updates
+use, and what runs at the same time.
+
+The pool's agents differ in size, so one device layout does not suit all of them. The user
+declares the device inventory and, per agent and stage, what a job needs (``resources`` in the
+config, docs/SCALING.md). :func:`plan` turns that into waves: the jobs of one wave run at the
+same time on disjoint devices; jobs that would share a device run in turn, and a rollout engine
+whose devices an update needs is put to sleep (or stopped) first. A demand that no device can
+meet fails here, naming the agent, the stage and the resource, before any work starts.
+
+Pure Python: no torch, no Prefect; the orchestrator and the stages read the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from hacrl.config import ConfigError, ResourcesConfig, StageResources
+
+STAGES = ("rollout", "update")
+"""The two device-hungry jobs of an agent in an iteration (evaluation reuses the rollout's)."""
+
+
+class PlanError(ConfigError):
+    """The declared resources cannot run the pool; the message names the agent and the resource."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One agent's rollout or update, placed on devices."""
+
+    agent: str
+    stage: str
+    devices: tuple[str, ...]
+    memory_gib: float
+    max_batch_tokens: int
+
+
+@dataclass
+class Wave:
+    """Jobs of one stage that run at the same time (their devices are disjoint)."""
+
+    stage: str
+    jobs: list[Job] = field(default_factory=list)
+
+    @property
+    def busy(self) -> set[str]:
+        return {d for j in self.jobs for d in j.devices}
+
+
+@dataclass
+class Release:
+    """Before wave ``before`` starts, ``agent``'s rollout engine frees its devices."""
+
+    before: int
+    agent: str
+    action: str  # "sleep" or "stop"
+    devices: tuple[str, ...]
+
+
+@dataclass
+class ResourcePlan:
+    waves: list[Wave]
+    releases: list[Release]
+    kept_alive: list[str]
+    """Agents whose engine shares no device with any update: it stays up through the updates."""
+
+    def jobs(self, stage: str) -> list[Job]:
+        return [j for w in self.waves if w.stage == stage for j in w.jobs]
+
+    def job(self, agent: str, stage: str) -> Job:
+        return next(j for j in self.jobs(stage) if j.agent == agent)
+
+    def to_dict(self) -> dict:
+        return {"waves": [{"stage": w.stage, "jobs": [dataclasses.asdict(j) for j in w.jobs]} for w in self.waves],
+                "releases": [dataclasses.asdict(r) for r in self.releases], "kept_alive": self.kept_alive}
+
+    def describe(self) -> str:
+        """The plan as lines a person reads (``hacrl resources``)."""
+        lines = []
+        for i, w in enumerate(self.waves):
+            for r in self.releases:
+                if r.before == i:
+                    lines.append(f"  {r.action} {r.agent}'s engine (frees {', '.join(r.devices)})")
+            jobs = "; ".join(f"{j.agent} on {', '.join(j.devices)}" for j in w.jobs)
+            together = " (at the same time)" if len(w.jobs) > 1 else ""
+            lines.append(f"wave {i}: {w.stage} {jobs}{together}")
+        if self.kept_alive:
+            lines.append(f"engines kept alive through the updates: {', '.join(self.kept_alive)}")
+        return "\n".join(lines)
+
+
+def demand(res: ResourcesConfig, agent: str, stage: str) -> StageResources:
+    """The agent's declared needs for ``stage`` (``resources.agents[agent]``, else ``resources.default``)."""
+    per = res.agents.get(agent)
+    return getattr(per if per is not None else res.default, stage)
+
+
+def _capacity(res: ResourcesConfig) -> dict[str, float]:
+    return {d.id: d.memory_gib for d in res.devices}
+
+
+def _fits(mem: float, need: float) -> bool:
+    return mem <= 0 or need <= mem  # 0: memory not declared (a CPU host)
+
+
+def check(res: ResourcesConfig, agents: list[str]) -> None:
+    """Fail, naming the agent, stage and resource, when a job cannot run even on an idle inventory."""
+    cap = _capacity(res)
+    unknown = sorted(set(res.agents) - set(agents))
+    if unknown:
+        raise PlanError(f"resources.agents.{unknown[0]}: no such agent in the pool ({', '.join(agents)})")
+    for a in agents:
+        for st in STAGES:
+            d = demand(res, a, st)
+            key = f"resources.agents.{a}.{st}" if a in res.agents else f"resources.default.{st}"
+            if d.pin:
+                missing = [x for x in d.pin if x not in cap]
+                if missing:
+                    raise PlanError(f"{key}.pin: device {missing[0]!r} is not in resources.devices "
+                                    f"({', '.join(cap)}) (agent {a})")
+                if d.devices not in (0, 1, len(d.pin)):  # 1 is the default: the pin decides
+                    raise PlanError(f"{key}.devices: {d.devices} but pin names {len(d.pin)} devices (agent {a})")
+                small = [x for x in d.pin if not _fits(cap[x], d.memory_gib)]
+                if small:
+                    raise PlanError(f"{key}.memory_gib: agent {a}'s {st} needs {d.memory_gib:g} GiB per device; "
+                                    f"{small[0]} has {cap[small[0]]:g} GiB")
+                continue
+            n = d.devices or 1
+            if n > len(cap):
+                raise PlanError(f"{key}.devices: agent {a}'s {st} needs {n} devices; the inventory has "
+                                f"{len(cap)} ({', '.join(cap)})")
+            big = [x for x, m in cap.items() if _fits(m, d.memory_gib)]
+            if len(big) < n:
+                best = max(cap.values())
+                raise PlanError(f"{key}.memory_gib: agent {a}'s {st} needs {n} device(s) with "
+                                f"{d.memory_gib:g} GiB each; {len(big)} of the inventory have that "
+                                f"(the largest has {best:g} GiB)")
+
+
+def _place(d: StageResources, cap: dict[str, float], busy: set[str], load: dict[str, int],
+           home: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """Devices for a job in a wave whose devices ``busy`` are taken, or None if it does not fit.
+    ``home``: the devices of the agent's own engine, preferred for its update."""
+    if d.pin:
+        return tuple(d.pin) if not busy & set(d.pin) else None
+    free = [x for x in cap if x not in busy and _fits(cap[x], d.memory_gib)]
+    n = d.devices or 1
+    if len(free) < n:
+        return None
+    # the agent's own engine's devices first (the update then displaces no other agent's
+    # engine, and the new weights are already where the engine reloads them: colocation as in
+    # verl's hybrid engine), then the least used (spreads the agents), inventory order on ties
+    free.sort(key=lambda x: (x not in home, load[x], list(cap).index(x)))
+    return tuple(sorted(free[:n], key=list(cap).index))
+
+
+def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
+    """Place every agent's rollout and update on the inventory, in as few waves as fit.
+
+    Rollouts come first (all agents sample from the same policies of the iteration), then the
+    updates. Within a stage, jobs go largest first (devices, then memory) into the first wave
+    where their devices are free (first-fit decreasing); an update prefers the devices of the
+    agent's own engine; ``engines_alive`` caps the engines up at once. An engine is released before the first wave that needs one of its devices:
+    put to sleep (``engine_release: sleep``, the weights and cache leave the device, the
+    process stays) or stopped. Deterministic for a given config.
+    """
+    check(res, agents)
+    cap = _capacity(res)
+    load = {x: 0 for x in cap}
+    waves: list[Wave] = []
+    for st in STAGES:
+        order = sorted(agents, key=lambda a: (-(len(demand(res, a, st).pin or []) or demand(res, a, st).devices or 1),
+                                              -demand(res, a, st).memory_gib, agents.index(a)))
+        stage_waves: list[Wave] = []
+        homes = {j.agent: j.devices for w in waves for j in w.jobs if j.stage == "rollout"}
+        for a in order:
+            d = demand(res, a, st)
+            for w in stage_waves:
+                if st == "rollout" and res.engines_alive and len(w.jobs) >= res.engines_alive:
+                    continue
+                devs = _place(d, cap, w.busy, load, homes.get(a, ()))
+                if devs is not None:
+                    break
+            else:
+                w = Wave(st)
+                stage_waves.append(w)
+                devs = _place(d, cap, set(), load, homes.get(a, ()))
+                assert devs is not None  # check() guarantees an idle inventory fits every job
+            for x in devs:
+                load[x] += 1
+            w.jobs.append(Job(a, st, devs, d.memory_gib, d.max_batch_tokens))
+        for w in stage_waves:  # pool order within a wave: logs and tests read the same way each run
+            w.jobs.sort(key=lambda j: agents.index(j.agent))
+        waves += stage_waves
+    def release(before: int, agent: str, devs: tuple[str, ...]) -> Release:
+        # sleep mode keeps a GPU engine's process and frees its memory; a CPU engine has no
+        # device memory to free, so it stops
+        return Release(before, agent, "stop" if "cpu" in devs else res.engine_release, devs)
+
+    releases, alive = [], {}
+    for i, w in enumerate(waves):
+        need = w.busy
+        for a, devs in list(alive.items()):
+            if need & set(devs):
+                releases.append(release(i, a, devs))
+                del alive[a]
+        if w.stage == "rollout" and res.engines_alive:
+            # engines on other devices may stay up, but never more than engines_alive at once
+            for a in list(alive)[:max(0, len(alive) + len(w.jobs) - res.engines_alive)]:
+                releases.append(release(i, a, alive.pop(a)))
+        if w.stage == "rollout":
+            alive.update({j.agent: j.devices for j in w.jobs})
+    return ResourcePlan(waves, releases, [a for a in agents if a in alive])

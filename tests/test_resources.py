@@ -1,0 +1,127 @@
+"""MWRA: the planner on declared inventories (no device needed: the plan is declarative)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hacrl import config
+from hacrl.resources import PlanError, plan
+
+AGENTS = ["small", "mid", "large"]
+
+
+def res(data: dict) -> config.ResourcesConfig:
+    return config._build(config.ResourcesConfig, data, "resources")
+
+
+def gpus(n: int, gib: float = 80) -> list[dict]:
+    return [{"id": f"cuda:{i}", "memory_gib": gib} for i in range(n)]
+
+
+def assert_sound(p, r: config.ResourcesConfig) -> None:
+    """Every wave's jobs use disjoint devices that exist and hold their memory."""
+    cap = {d.id: d.memory_gib for d in r.devices}
+    for w in p.waves:
+        used = [d for j in w.jobs for d in j.devices]
+        assert len(used) == len(set(used)), w
+        for j in w.jobs:
+            assert all(d in cap and (cap[d] == 0 or j.memory_gib <= cap[d]) for d in j.devices), j
+
+
+def test_the_default_cpu_host_runs_everything_in_turn():
+    r = config.ResourcesConfig()
+    p = plan(r, AGENTS)
+    assert [(w.stage, [j.agent for j in w.jobs]) for w in p.waves] == [
+        ("rollout", ["small"]), ("rollout", ["mid"]), ("rollout", ["large"]),
+        ("update", ["small"]), ("update", ["mid"]), ("update", ["large"])]
+    # each engine stops (a CPU engine has nothing to sleep) before the next job on the host
+    assert [(x.before, x.agent, x.action) for x in p.releases] == [(1, "small", "stop"), (2, "mid", "stop"),
+                                                                   (3, "large", "stop")]
+    assert p.kept_alive == []
+
+
+def test_eight_gpus_three_agents_of_different_sizes():
+    r = res({"devices": gpus(8), "agents": {
+        "small": {"rollout": {"devices": 1, "memory_gib": 10}, "update": {"devices": 1, "memory_gib": 30}},
+        "mid": {"rollout": {"devices": 1, "memory_gib": 40}, "update": {"devices": 2, "memory_gib": 60}},
+        "large": {"rollout": {"devices": 2, "memory_gib": 70}, "update": {"devices": 4, "memory_gib": 75}}}})
+    p = plan(r, AGENTS)
+    assert_sound(p, r)
+    # 1 + 1 + 2 GPUs of rollouts at once, then 1 + 2 + 4 of updates at once
+    assert [w.stage for w in p.waves] == ["rollout", "update"]
+    assert {j.agent: len(j.devices) for j in p.jobs("rollout")} == {"small": 1, "mid": 1, "large": 2}
+    assert {j.agent: len(j.devices) for j in p.jobs("update")} == {"small": 1, "mid": 2, "large": 4}
+    # an update is colocated with its own engine (so it displaces no other agent's); an engine
+    # sleeps exactly when an update needs one of its GPUs, the others stay up
+    engines = {j.agent: set(j.devices) for j in p.jobs("rollout")}
+    for a in AGENTS:
+        assert engines[a] <= set(p.job(a, "update").devices)
+        others = set().union(*(engines[b] for b in AGENTS if b != a))
+        assert not set(p.job(a, "update").devices) & others
+    busy = {d for j in p.jobs("update") for d in j.devices}
+    assert {x.agent for x in p.releases} == {a for a, d in engines.items() if d & busy}
+    assert all(x.before == 1 and x.action == "sleep" for x in p.releases)
+    assert set(p.kept_alive) == set(AGENTS) - {x.agent for x in p.releases}
+    assert plan(r, AGENTS).to_dict() == p.to_dict()  # deterministic
+
+
+def test_jobs_that_share_a_device_run_in_turn_with_the_engine_released_first():
+    r = res({"devices": gpus(2), "engine_release": "stop", "agents": {
+        "small": {"rollout": {"pin": ["cuda:0"]}, "update": {"pin": ["cuda:0"]}},
+        "mid": {"rollout": {"pin": ["cuda:0"]}, "update": {"pin": ["cuda:1"]}},
+        "large": {"rollout": {"pin": ["cuda:1"]}, "update": {"devices": 2, "memory_gib": 50}}}})
+    p = plan(r, AGENTS)
+    assert_sound(p, r)
+    stages = [(w.stage, sorted(j.agent for j in w.jobs)) for w in p.waves]
+    # small and mid both want cuda:0: two rollout waves; large's 2-GPU update needs both GPUs
+    assert stages[0] == ("rollout", ["large", "small"]) and stages[1] == ("rollout", ["mid"])
+    assert ("update", ["large"]) in stages
+    first = {(x.before, x.agent) for x in p.releases}
+    assert (1, "small") in first  # small's engine leaves cuda:0 before mid's engine starts
+    assert all(x.action == "stop" for x in p.releases)
+
+
+def test_engines_alive_caps_the_engines_up_at_once():
+    r = res({"devices": gpus(4), "engines_alive": 1})
+    p = plan(r, AGENTS)
+    assert [len(w.jobs) for w in p.waves if w.stage == "rollout"] == [1, 1, 1]
+    alive = 0
+    for i, w in enumerate(p.waves):
+        alive -= sum(1 for x in p.releases if x.before == i)
+        if w.stage == "rollout":
+            alive += len(w.jobs)
+            assert alive <= 1
+
+
+@pytest.mark.parametrize("agents,needle", [
+    ({"large": {"update": {"devices": 4, "memory_gib": 100}}},
+     "resources.agents.large.update.memory_gib: agent large's update needs 4 device(s) with 100 GiB each"),
+    ({"large": {"update": {"devices": 9}}}, "resources.agents.large.update.devices: agent large's update needs 9 devices"),
+    ({"mid": {"rollout": {"pin": ["cuda:8"]}}}, "resources.agents.mid.rollout.pin: device 'cuda:8' is not in"),
+    ({"mid": {"rollout": {"pin": ["cuda:0"], "memory_gib": 81}}}, "resources.agents.mid.rollout.memory_gib: agent mid's rollout needs 81 GiB per device; cuda:0 has 80 GiB"),
+    ({"mid": {"rollout": {"pin": ["cuda:0", "cuda:1"], "devices": 3}}},
+     "resources.agents.mid.rollout.devices: 3 but pin names 2 devices"),
+    ({"nobody": {}}, "resources.agents.nobody: no such agent"),
+])
+def test_a_plan_that_cannot_fit_names_the_agent_and_the_resource(agents, needle):
+    with pytest.raises(PlanError, match="^" + needle.replace("(", r"\(").replace(")", r"\)")):
+        plan(res({"devices": gpus(8), "agents": agents}), AGENTS)
+
+
+def test_the_config_refuses_an_impossible_plan_before_any_work(tmp_path):
+    """``hacrl config`` composes and validates: the planner's error is one line, exit 2, nothing written."""
+    out = tmp_path / "params.yaml"
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", "--out", str(out),
+                        "resources.devices=[{id: 'cuda:0', memory_gib: 24}]",
+                        "+resources.agents.qwen2-strong={update: {devices: 1, memory_gib: 40}}"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and not out.exists(), p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "hacrl: error: resources.agents.qwen2-strong.update.memory_gib: agent qwen2-strong's update needs")
+    ok = subprocess.run([sys.executable, "-m", "hacrl.cli", "resources",
+                         "resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "wave 0: rollout gpt2-weak on cuda:0; llama-mid on cuda:1" in ok.stdout, ok.stderr
