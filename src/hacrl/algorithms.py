@@ -120,6 +120,45 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+@dataclass
+class Shard:
+    """Data parallelism: this rank holds whole prompt groups of the mini-batch, the other ranks
+    the rest. A mean over the mini-batch's rows (or tokens) then divides by the count over all
+    ranks, times the world size, because DeepSpeed averages the ranks' gradients: the sum of the
+    ranks' gradients is the gradient of the single-process loss."""
+
+    world_size: int = 1
+
+    def all_sum(self, v: float | torch.Tensor) -> float:
+        """``v`` summed over the ranks (a collective: every rank must call it, in the same order)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v)], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+
+def row_mean(x: torch.Tensor, rows: torch.Tensor | None = None, shard: Shard | None = None) -> torch.Tensor:
+    """Mean of ``x`` (B,) over ``rows`` (a bool mask; None: all), 0 with the graph kept when no
+    row is selected. Sharded (world size > 1): the mean over every rank's rows, scaled for
+    DeepSpeed's gradient averaging; it always calls the collective. World size 1: the plain
+    expression, bit for bit."""
+    if shard is None or shard.world_size == 1:
+        if rows is None:
+            return x.mean()
+        return x[rows].mean() if bool(rows.any()) else x.sum() * 0
+    sel = x if rows is None else x[rows]
+    n = shard.all_sum(sel.numel())
+    return sel.sum() * (shard.world_size / n) if n > 0 else x.sum() * 0
+
+
+def sum_over_count(total: torch.Tensor, count: torch.Tensor, shard: Shard | None = None) -> torch.Tensor:
+    """``total / max(1, count)``; sharded: over the count of every rank, scaled as in :func:`row_mean`."""
+    if shard is None or shard.world_size == 1:
+        return total / count.clamp(min=1)
+    return total * (shard.world_size / max(1.0, shard.all_sum(count)))
+
+
 # ----------------------------------------------------------------------------- inputs
 
 @dataclass
@@ -180,6 +219,9 @@ class LossInputs:
     """(B,) bool, the verdict was ``correct``."""
     choice_key: torch.Tensor | None = None
     """(B,) uniform [0, 1) per record, drawn from the update's seed and the record id (seeded choices)."""
+    shard: Shard | None = None
+    """Data parallelism across processes (None: one process). A loss takes its means over rows
+    with :func:`row_mean` / :func:`sum_over_count`, and branches only on global counts."""
 
 
 # ----------------------------------------------------------------------------- GRPO / GSPO
@@ -252,7 +294,7 @@ def grpo_loss(inp: LossInputs, opts: ClipOptions):
     a = inp.advantages[:, None]
     surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
     per_seq = masked_mean(surr, inp.mask, dim=1)
-    loss = -per_seq.mean()
+    loss = -row_mean(per_seq, shard=inp.shard)
     with torch.no_grad():
         clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
         metrics = {"clip_frac": masked_mean(clipped, inp.mask).item(),
@@ -277,7 +319,7 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
     s = torch.exp(sequence_log_ratio(inp.logp, inp.old_logp, inp.mask))
     a = inp.advantages
     surr = torch.minimum(s * a, s.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
-    loss = -surr.mean()
+    loss = -row_mean(surr, shard=inp.shard)
     with torch.no_grad():
         clipped = ((s < 1 - opts.clip_low) | (s > 1 + opts.clip_high)).float()
         metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item(),
@@ -315,14 +357,14 @@ def xgrpo_advantage(inp: AdvantageInputs, opts: XgrpoAdvantageOptions) -> torch.
     return (inp.rewards.float() - inp.pool_mean) / (std + opts.eps)
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, shard: Shard | None = None) -> torch.Tensor:
     """Low-variance KL estimator ``exp(r) - r - 1`` with ``r = ref - logp``, token mean per
     sequence, then mean over the sequences the mask selects (a row without any masked token,
     e.g. a cross sample, neither counts nor dilutes the mean)."""
     r = ref_logp - logp
     rows = mask.sum(1) > 0
     per_seq = masked_mean(torch.exp(r) - r - 1, mask, dim=1)
-    return per_seq[rows].mean() if bool(rows.any()) else per_seq.sum() * 0
+    return row_mean(per_seq, rows, shard)
 
 
 # ----------------------------------------------------------------------------- HACPO
@@ -484,10 +526,9 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     per = torch.where(is_self, self_term, cross_term)
     cross = ~is_self
     if opts.aggregation == "split":
-        loss = -(per[is_self].mean() if is_self.any() else per.sum() * 0) \
-               - (per[cross].mean() if cross.any() else per.sum() * 0)
+        loss = -row_mean(per, is_self, inp.shard) - row_mean(per, cross, inp.shard)
     else:
-        loss = -per.mean()
+        loss = -row_mean(per, shard=inp.shard)
     with torch.no_grad():
         sc = s[cross]
         ss = s[is_self]
@@ -566,7 +607,7 @@ def prp_loss(inp: LossInputs, opts: PrpOptions):
     a = inp.advantages[:, None].float()
     surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
     per_seq = masked_mean(surr, inp.mask, dim=1)
-    loss = -per_seq.mean()
+    loss = -row_mean(per_seq, shard=inp.shard)
     with torch.no_grad():
         samples = _token_clip_samples(log_ratio, a, inp.mask, 1 - opts.clip_low, 1 + opts.clip_high, per_seq)
         own = inp.mask * inp.is_self[:, None]
@@ -664,7 +705,7 @@ def sgt_loss(inp: LossInputs, opts: SgtOptions):
     a = inp.advantages[:, None].float()
     surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
     per_seq = masked_mean(surr, inp.mask, dim=1)
-    grpo = per_seq[own].mean() if bool(own.any()) else per_seq.sum() * 0
+    grpo = row_mean(per_seq, own, inp.shard)
     cand = sgt_gate(inp.rewards, inp.group_ids, own, inp.verified)
     if opts.choose == "shortest":
         key = inp.mask.sum(1).float()
@@ -675,9 +716,14 @@ def sgt_loss(inp: LossInputs, opts: SgtOptions):
     else:  # the highest mean log-prob under the learner's policy before the step
         key = -masked_mean(inp.old_logp, inp.mask, dim=1)
     chosen = sgt_choose(cand, inp.group_ids, key, opts.max_rescues)
-    if bool(chosen.any()):
+    sharded = inp.shard is not None and inp.shard.world_size > 1
+    if sharded:  # every rank takes the same branches: the collectives must pair up
         tok_nll = -(inp.logp * inp.mask)[chosen]
-        nll = (tok_nll.sum() / inp.mask[chosen].sum().clamp(min=1) if opts.length_norm == "token"
+        nll = (sum_over_count(tok_nll.sum(), inp.mask[chosen].sum(), inp.shard) if opts.length_norm == "token"
+               else row_mean(tok_nll.sum(1), shard=inp.shard)) + per_seq.sum() * 0
+    elif bool(chosen.any()):
+        tok_nll = -(inp.logp * inp.mask)[chosen]
+        nll = (sum_over_count(tok_nll.sum(), inp.mask[chosen].sum()) if opts.length_norm == "token"
                else tok_nll.sum(1).mean())
     else:
         nll = per_seq.sum() * 0

@@ -227,6 +227,10 @@ class TrainerConfig:
     initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL
     term (``algorithm.kl_coef`` 0); it costs one forward of the initial model per mini-batch.
     Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender."""
+    world_size: int = 1
+    """Processes per learner update (DeepSpeed data parallelism, gloo on the CPU, NCCL on GPUs):
+    each rank takes whole prompt groups of every mini-batch and the gradients are averaged, so
+    the update equals the single-process one up to float rounding (docs/SCALING.md). ZeRO 0-2."""
 
 
 @dataclass
@@ -467,6 +471,12 @@ def validate(cfg: Config) -> Config:
     _check(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _check(t.mini_batch_prompts >= 1, "trainer.mini_batch_prompts", t.mini_batch_prompts, "must be >= 1")
     _check(t.dtype in ("fp32", "bf16"), "trainer.dtype", t.dtype, "fp32 or bf16")
+    _check(isinstance(t.world_size, int) and t.world_size >= 1, "trainer.world_size", t.world_size,
+           "must be an integer >= 1")
+    if t.world_size > 1:
+        _check(t.backend == "deepspeed", "trainer.backend", t.backend, "world_size > 1 needs the deepspeed backend")
+        _check(t.zero_stage <= 2, "trainer.zero_stage", t.zero_stage,
+               "ZeRO 3 partitions the weights; the export needs ZeRO 0-2 when world_size > 1")
     o = cfg.orchestration
     _check(o.gpu_routing in ("auto", "pool", "local"), "orchestration.gpu_routing", o.gpu_routing,
            "auto, pool or local")

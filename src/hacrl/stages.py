@@ -279,38 +279,56 @@ RESCUED_FILE = "rescued_prompts.json"
 """In a learner's train state: prompt id -> the iteration SGT first rescued it (cumulative)."""
 
 
-def update_policies(cfg: Config, t: int) -> dict:
-    """One policy update per learner on its training input; new HF checkpoint + recovery state."""
+def update_agent(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path) -> dict:
+    """One learner's update of iteration ``t``: its new HF checkpoint into ``ckpt_out`` (rank 0
+    writes it) and its recovery state into ``state_out``; returns the update's figures. Runs in
+    the stage's process, or in each rank of a multi-process update (:mod:`hacrl.update_worker`)."""
     from hacrl.experience import read_records
     from hacrl.pool import load_agent
+    from hacrl.trainer import world
     from hacrl.update import train_learner
 
+    lay = _layout(cfg)
+    ac = cfg.agent(name)
+    agent = load_agent(ac, lay.checkpoint(t - 1, name), cfg.trainer.dtype)
+    ref = None
+    if cfg.algorithm.kl_coef > 0 or cfg.trainer.measure_kl_to_init:
+        ref = load_agent(ac, lay.checkpoint(0, name), cfg.trainer.dtype).model
+    batch = read_records(lay.learner_input(t, name), "learner_input")
+    side = lay.learner_input(t, name, "reward_stats")
+    stats = train_learner(
+        agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, name),
+        prev_state=lay.train_state(t - 1) / name, out_state=state_out,
+        ref_model=ref, omega=read_json(lay.capability(t))["omega"],
+        reward_stats=read_records(side, "reward_stats") if side.exists() else None)
+    if world()[0] == 0:
+        # ZeRO 0-2 keep the whole weights on every rank: the export never depends on the world size
+        agent.model.save_pretrained(ckpt_out)
+        agent.tokenizer.save_pretrained(ckpt_out)
+    return stats
+
+
+def update_policies(cfg: Config, t: int) -> dict:
+    """One policy update per learner on its training input; new HF checkpoint + recovery state.
+    With ``trainer.world_size`` > 1 each learner's update runs as that many processes."""
     _set_threads(cfg)
     lay = _layout(cfg)
-    capability = read_json(lay.capability(t))
     stats = {}
     with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
             atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
         for ac in cfg.agents:
-            agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
-            ref = None
-            if cfg.algorithm.kl_coef > 0 or cfg.trainer.measure_kl_to_init:
-                ref = load_agent(ac, lay.checkpoint(0, ac.name), cfg.trainer.dtype).model
-            batch = read_records(lay.learner_input(t, ac.name), "learner_input")
-            side = lay.learner_input(t, ac.name, "reward_stats")
-            stats[ac.name] = train_learner(
-                agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, ac.name),
-                prev_state=lay.train_state(t - 1) / ac.name, out_state=tmp_st / ac.name,
-                ref_model=ref, omega=capability["omega"],
-                reward_stats=read_records(side, "reward_stats") if side.exists() else None)
+            if cfg.trainer.world_size > 1:
+                from hacrl.update_worker import launch
+
+                stats[ac.name] = launch(cfg, t, ac.name, tmp_ck / ac.name, tmp_st / ac.name)
+            else:
+                stats[ac.name] = update_agent(cfg, t, ac.name, tmp_ck / ac.name, tmp_st / ac.name)
             if "rescued_prompts" in stats[ac.name]:  # SGT: which prompts were rescued, and when
                 prev_file = lay.train_state(t - 1) / ac.name / RESCUED_FILE
                 so_far = read_json(prev_file) if prev_file.exists() else {}
                 so_far.update({p: t for p in stats[ac.name]["rescued_prompts"] if p not in so_far})
                 write_json(tmp_st / ac.name / RESCUED_FILE, so_far)
                 stats[ac.name]["rescued_so_far"] = so_far
-            agent.model.save_pretrained(tmp_ck / ac.name)
-            agent.tokenizer.save_pretrained(tmp_ck / ac.name)
             log.info("update %s: %s", ac.name, {k: v for k, v in stats[ac.name].items()
                                                  if k not in ("rescued_so_far", "rescued_prompts", "per_update")})
     write_json(lay.update_stats(t), without_timings(stats))

@@ -36,7 +36,13 @@ def init_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    if os.environ.get("WORLD_SIZE", "1") == "1":
+    init_method = None
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        # the ranks of a multi-process update meet through a file (no store listening on a
+        # port) and gloo talks over the loopback interface only
+        init_method = os.environ.get("HACRL_DIST_INIT")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    else:
         # a single local rank: always a fresh port on 127.0.0.1. A MASTER_PORT inherited from a
         # parent that ran an update itself (a service started from it, say) may still be taken.
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -45,12 +51,25 @@ def init_distributed() -> None:
         os.environ.setdefault(k, v)
     import deepspeed
 
-    if os.environ["WORLD_SIZE"] == "1" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (35-45 s of C++,
-        # redone whenever its build flags differ between processes); one rank never reduces
+        # redone whenever its build flags differ between processes): one rank never reduces,
+        # and gloo reduces the ranks of a multi-process update
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    kw = {}
+    if init_method:
+        kw = dict(init_method=init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
-                               verbose=False)
+                               verbose=False, **kw)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process (0, 1 outside a multi-process update)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @dataclass
@@ -83,6 +102,9 @@ def restore_rng(rng: dict) -> None:
 def _grad_norm(module) -> float:
     sq = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
     return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+WORLD_FILE = "world.json"
 
 
 class PolicyOptimizer:
@@ -148,6 +170,13 @@ class PolicyOptimizer:
         """Recovery state (optimizer + RNG + counter) into ``out_dir`` (a fresh directory)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         client = {"updates": self.state.updates, "rng": capture_rng()}
+        # a ZeRO 1-2 state is partitioned by rank: say at which world size it was saved, so a
+        # resume at another one knows what it cannot load (see load_state)
+        import json
+
+        rank, ws = world()
+        if rank == 0:
+            (out_dir / WORLD_FILE).write_text(json.dumps({"world_size": ws, "updates": self.state.updates}))
         if self.engine is not None:
             # only optimizer + client state matter; weights travel in the HF checkpoint
             self.engine.save_checkpoint(str(out_dir), tag="state", client_state=client,
@@ -156,7 +185,24 @@ class PolicyOptimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), **client}, out_dir / "state.pt")
 
     def load_state(self, state_dir: Path) -> None:
-        """Restore the optimizer/RNG state if ``state_dir`` holds one (iteration 0 holds none)."""
+        """Restore the optimizer/RNG state if ``state_dir`` holds one (iteration 0 holds none).
+
+        A state saved at another world size (ZeRO partitions it by rank, and DeepSpeed refuses
+        to load it) restores the update counter only: the weights come from the HF checkpoint as
+        always, Adam's moments restart from zero, and the RNG keeps the step's seed."""
+        import json
+
+        _, ws = world()
+        saved = json.loads((state_dir / WORLD_FILE).read_text()) if (state_dir / WORLD_FILE).exists() else None
+        saved_ws = saved["world_size"] if saved else 1
+        if (state_dir / "state").is_dir() and saved_ws != ws and self.cfg.zero_stage > 0:
+            counter = saved["updates"] if saved else 0
+            log.warning("recovery state in %s was saved at world size %d, this update runs at %d: "
+                        "the ZeRO optimizer state does not load across world sizes; Adam's moments "
+                        "restart from zero (weights: the HF checkpoint; update counter: %d, kept)",
+                        state_dir, saved_ws, ws, counter)
+            self.state.updates = int(counter)
+            return
         if (state_dir / "state").is_dir() and self.engine is not None:
             _, client = self.engine.load_checkpoint(str(state_dir), tag="state",
                                                     load_optimizer_states=True,

@@ -16,12 +16,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hacrl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, kl_k3, masked_mean
+from hacrl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
 from hacrl.config import Config
 from hacrl.experience import pooled_reward_stats
 from hacrl.pool import Agent
 from hacrl.scoring import pack, token_logprobs
-from hacrl.trainer import PolicyOptimizer, seed_rng
+from hacrl.trainer import PolicyOptimizer, seed_rng, world
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +181,10 @@ def rescue_figures(samples: list[tuple[np.ndarray, dict]], batch: pd.DataFrame) 
             "trigger_rate": len(prompts) / max(1, len(per_prompt))}
 
 
-def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor], is_self: torch.Tensor) -> float | None:
+def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor], is_self: torch.Tensor,
+                  shard: Shard | None = None) -> float | None:
     """KL(pi_old || pi_ref) by k3 over the learner's own samples (drawn from pi_old), one value per
-    sample then their mean; None without own samples."""
+    sample then their mean (over every rank's samples when sharded); None without own samples."""
     per = []
     for (idx, _ids, _attn, resp, *_), o, r in zip(packed, old, ref):
         sm = resp * is_self[idx][:, None]
@@ -191,7 +192,34 @@ def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor]
         if bool(rows.any()):
             d = r - o
             per.append(masked_mean(torch.exp(d) - d - 1, sm, dim=1)[rows])
+    if shard is not None and shard.world_size > 1:
+        vals = torch.cat(per) if per else torch.zeros(0)
+        n = shard.all_sum(vals.numel())
+        return shard.all_sum(float(vals.sum())) / n if n else None
     return float(torch.cat(per).mean()) if per else None
+
+
+def rank_rows(prompt_ids: pd.Series, idx: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """The rows of mini-batch ``idx`` that rank ``rank`` trains on: whole prompt groups, the
+    groups dealt round-robin in their order in the mini-batch (a prompt's own and peer rows
+    stay together, so a loss that reads a group, SGT's gate, sees all of it)."""
+    if world_size == 1:
+        return idx
+    groups = list(dict.fromkeys(prompt_ids.iloc[idx].tolist()))
+    if len(groups) < world_size:
+        raise ValueError(f"a mini-batch holds {len(groups)} prompt groups, fewer than trainer.world_size "
+                         f"{world_size}: raise trainer.mini_batch_prompts or lower the world size")
+    mine = set(groups[rank::world_size])
+    return idx[prompt_ids.iloc[idx].isin(mine).to_numpy()]
+
+
+def _gather(obj):
+    """Every rank's ``obj``, in rank order (a collective)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _summary(logs: list[dict]) -> dict:
@@ -238,7 +266,10 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     behavior_mean = torch.tensor(batch["behavior_logprob_mean"].to_numpy(), dtype=torch.float32)
     # omega[source][learner] of each sample: the discrepancy coefficient
     omega_src = adv_inp.omega[adv_inp.source_ids, adv_inp.learner]
-    mbs = layout(batch, cfg, agent.name, seed)
+    rank, world_size = world()
+    shard = Shard(world_size) if world_size > 1 else None
+    # data parallelism: every rank lays out the same mini-batches and keeps its prompt groups
+    mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in layout(batch, cfg, agent.name, seed)]
     pad = agent.tokenizer.pad_token_id
     packed = []
     for idx in mbs:
@@ -270,7 +301,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         ref = []
         if ref_model is not None:
             ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature) for _, ids, attn, *_ in packed]
-        kl_before = kl_old_to_ref(packed, old, ref, is_self_all) if ref else None
+        kl_before = kl_old_to_ref(packed, old, ref, is_self_all, shard) if ref else None
 
     logs, loss_metrics, samples = [], {}, []
     rng = random.Random(seed)
@@ -287,7 +318,8 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                                            is_self=sf, omega_src=omega_src[idx], behavior_logp=behavior,
                                            behavior_logp_mean=behavior_mean[idx], update_index=update_index,
                                            rewards=adv_inp.rewards[idx], group_ids=adv_inp.group_ids[idx],
-                                           verified=adv_inp.verified[idx], choice_key=choice_key[idx]),
+                                           verified=adv_inp.verified[idx], choice_key=choice_key[idx],
+                                           shard=shard),
                                 a.loss)
             update_index += 1
             per_sample = met.pop("samples", None)
@@ -295,7 +327,8 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                 samples.append((idx, {k: v.detach().float() for k, v in per_sample.items()}))
             loss_metrics.update(dict.fromkeys(met))
             # KL on self samples only; an update without any (a cross block) has no KL term
-            kl = kl_k3(logp, ref[m], resp * sf[:, None]) if ref and a.kl_coef > 0 and bool(sf.any()) else None
+            any_self = bool(sf.any()) if shard is None else (bool(ref) and a.kl_coef > 0 and shard.all_sum(sf.sum()) > 0)
+            kl = kl_k3(logp, ref[m], resp * sf[:, None], shard) if ref and a.kl_coef > 0 and any_self else None
             if kl is not None:
                 loss = loss + a.kl_coef * kl
             gn = opt.step(loss)
@@ -305,6 +338,12 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                          "entropy": masked_mean(ent.detach(), own_tok).item() if bool(sf.any()) else float("nan"),
                          **({"kl": kl.item()} if kl is not None else {}), **met})
     opt.save_state(out_state)
+    if shard is not None:  # rank 0 reports for all: the ranks' figures, gathered
+        gap_all = _gather(gen_gap)
+        gen_gap = max(gap_all)
+        logs = [{k: float(np.nanmean([x[k] for x in per if k in x])) for k in dict.fromkeys(k for x in per for k in x)}
+                for per in zip(*_gather(logs))]
+        samples = [s for per in _gather(samples) for s in per]
     secs = time.time() - t0
     n_tok = int(sum(len(x) for x in batch["input_response_ids"]))
     summary = _summary(logs)

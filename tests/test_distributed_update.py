@@ -1,0 +1,151 @@
+"""A learner's update across processes: DeepSpeed on the CPU accelerator, gloo, 2 ranks, ZeRO 1
+and 2, against the single-process update on the same data (real processes, real DeepSpeed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SMOKE
+from hacrl import config, stages
+from hacrl.experience import read_records, write_records
+from hacrl.storage import RunLayout
+from hacrl.trainer import WORLD_FILE
+
+# fp32 sums in another order (each rank reduces half of a mini-batch) move the weights by a few
+# ulps per update; Adam's normalisation can turn that into a larger step on a coordinate whose
+# gradient is ~0, never more than a small fraction of the learning rate
+WEIGHT_TOL = 1e-5
+
+
+def cfg_for(root, extra=()):
+    data = config.compose(SMOKE + ["algorithm=hacpo", "trainer.mini_batch_prompts=4", *extra])
+    data["experiment"]["runs_dir"] = str(root / "runs")
+    data["experiment"]["reports_dir"] = str(root / "reports")
+    return config.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def ready(tmp_path_factory):
+    """Preparation + iteration 1 up to capability stats (HACPO: own and cross rows, 2 sources)."""
+    tmp = tmp_path_factory.mktemp("dp")
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        cfg = cfg_for(tmp)
+        stages.prepare_data(cfg)
+        stages.prepare_pool(cfg)
+        stages.generate_rollouts(cfg, 1)
+        stages.verify_rewards(cfg, 1)
+        # the tiny pool barely solves anything after its short warm-up: set verdicts with spread
+        # inside each prompt group (as the verifier writes them) so that the update moves weights
+        lay = RunLayout(cfg.experiment.runs_dir)
+        for i, ac in enumerate(cfg.agents):
+            path = lay.rewards(1) / f"{ac.name}.parquet"
+            rw = read_records(path, "verdict")
+            good = [(int(r.record_id.rsplit("/", 1)[1]) + j + i) % 3 == 0 for j, r in enumerate(rw.itertuples())]
+            rw["verdict"] = ["correct" if g else "wrong" for g in good]
+            rw["reward"] = [1.0 if g else 0.0 for g in good]
+            write_records(path, rw, "verdict")
+        stages.exchange_and_align(cfg, 1)
+        stages.compute_capability_stats(cfg, 1)
+        yield tmp
+    finally:
+        os.chdir(cwd)
+
+
+_RUNS: dict = {}
+
+
+def run_update(ready, extra):
+    """Iteration 1's update-policies on a copy of the prepared runs (once per module per ``extra``)."""
+    key = tuple(extra)
+    if key not in _RUNS:
+        root = ready / ("u" + str(len(_RUNS)))
+        shutil.copytree(ready / "runs", root / "runs")
+        cfg = cfg_for(root, extra)
+        _RUNS[key] = (cfg, stages.update_policies(cfg, 1))
+    return _RUNS[key]
+
+
+def weights(cfg, name, t=1):
+    return load_file(RunLayout(cfg.experiment.runs_dir).checkpoint(t, name) / "model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 2])
+def test_two_processes_give_the_single_process_weights(ready, zero):
+    cfg1, s1 = run_update(ready, [])  # one process, ZeRO 0: the reference
+    cfg2, s2 = run_update(ready, [f"trainer.zero_stage={zero}", "trainer.world_size=2"])
+    for ac in cfg1.agents:
+        w0, w1, w2 = weights(cfg1, ac.name, 0), weights(cfg1, ac.name), weights(cfg2, ac.name)
+        assert w1.keys() == w2.keys()
+        diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+        moved = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
+        logging.getLogger(__name__).info("%s ZeRO %d: moved %.3g, |ws2 - ws1| max %.3g", ac.name, zero, moved, diff)
+        assert moved > 100 * WEIGHT_TOL, "the update must move the weights for the comparison to mean anything"
+        assert diff <= WEIGHT_TOL, (ac.name, diff)
+        # the figures rank 0 reports cover every rank's samples
+        assert s2[ac.name]["world_size"] == 2 and s2[ac.name]["updates"] == s1[ac.name]["updates"]
+        assert s2[ac.name]["samples"] == s1[ac.name]["samples"]
+        assert s2[ac.name]["ratio/" + ac.name + "/n"] == s1[ac.name]["ratio/" + ac.name + "/n"]
+        assert s2[ac.name]["loss"] == pytest.approx(s1[ac.name]["loss"], abs=1e-5)
+        assert s2[ac.name]["grad_norm"] == pytest.approx(s1[ac.name]["grad_norm"], rel=1e-4)
+        # the export is a plain HF checkpoint at either world size; the state says its world size
+        st = RunLayout(cfg2.experiment.runs_dir).train_state(1) / ac.name
+        assert json.loads((st / WORLD_FILE).read_text()) == {"world_size": 2, "updates": s2[ac.name]["total_updates"]}
+
+
+@pytest.mark.slow
+def test_resuming_at_another_world_size_keeps_the_weights_and_says_what_restarts(ready, caplog):
+    """A ZeRO 1 state saved by 2 ranks does not load in 1; the next update starts from the HF
+    checkpoint, keeps the update counter, restarts Adam's moments, and says so."""
+    cfg2, s2 = run_update(ready, ["trainer.zero_stage=1", "trainer.world_size=2"])
+    cfg1 = config.from_dict({**config.compose(SMOKE + ["algorithm=hacpo", "trainer.zero_stage=1"]),
+                             "experiment": {**cfg2.experiment.__dict__}})
+    lay = RunLayout(cfg1.experiment.runs_dir)
+    ac = cfg1.agents[0]
+    from hacrl.pool import load_agent
+    from hacrl.trainer import PolicyOptimizer
+
+    agent = load_agent(ac, lay.checkpoint(1, ac.name))
+    opt = PolicyOptimizer(agent.model, cfg1.trainer, 8)
+    with caplog.at_level(logging.WARNING, logger="hacrl.trainer"):
+        opt.load_state(lay.train_state(1) / ac.name)
+    assert opt.state.updates == s2[ac.name]["total_updates"] > 0
+    assert "saved at world size 2, this update runs at 1" in caplog.text and "restart from zero" in caplog.text
+    assert not any(opt.optimizer.state.values())
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_stage_and_leaves_no_checkpoint(ready, tmp_path):
+    shutil.copytree(ready / "runs", tmp_path / "runs")
+    cfg = cfg_for(tmp_path, ["trainer.world_size=2", "trainer.zero_stage=1"])
+    lay = RunLayout(cfg.experiment.runs_dir)
+    # a damaged learner input: every rank fails reading it
+    (lay.learner_input(1, cfg.agents[0].name)).write_bytes(b"not parquet")
+    from hacrl.update_worker import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"update of .*: rank \d of 2 exited with"):
+        stages.update_policies(cfg, 1)
+    assert not lay.checkpoints(1).exists() and not lay.train_state(1).exists()
+
+
+def test_ranks_take_whole_prompt_groups_and_too_small_a_mini_batch_is_refused():
+    import numpy as np
+    import pandas as pd
+
+    from hacrl.update import rank_rows
+
+    ids = pd.Series(["a", "a", "b", "b", "c"])
+    assert rank_rows(ids, np.arange(5), 0, 2).tolist() == [0, 1, 4]
+    assert rank_rows(ids, np.arange(5), 1, 2).tolist() == [2, 3]
+    with pytest.raises(ValueError, match="fewer than trainer.world_size 4"):
+        rank_rows(ids, np.arange(5), 0, 4)
+    assert torch.equal(torch.tensor(rank_rows(ids, np.arange(5), 0, 1)), torch.arange(5))
