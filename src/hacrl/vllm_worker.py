@@ -1,7 +1,7 @@
 """The vLLM side of ``rollout.engine: vllm``: one process serving one model, in vLLM's own
 environment (``make setup-vllm``; vLLM pins its own torch and transformers).
 
-Run by :class:`hacrl.engines.VLLMEngine` as ``<vllm python> vllm_worker.py``. It imports nothing
+Run by :class:`hacrl.vllm_engine.VLLMEngine` as ``<vllm python> vllm_worker.py``. It imports nothing
 from hacrl: the project's environment and vLLM's never meet in one interpreter. Requests and
 replies are JSON lines on stdin / stdout, and vLLM's own logging goes to stderr. So no port is
 opened, and nothing listens.
