@@ -167,7 +167,9 @@ def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
     out = tmp_path / "r" / "mutual" / "default"
     res = json.loads((out / "results.json").read_text())
     by = {r["contender"]: r["agents"]["gpt2-a"] for r in res["runs"]}
-    assert set(by) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt"}
+    assert set(by) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt", "sgt_nll0"}
+    # SGT's control (lambda 0) is GRPO: the row filter and the weightless rescues change nothing
+    assert by["sgt_nll0"]["eval_accuracy"] == by["grpo"]["eval_accuracy"]
     for c, r in by.items():  # the signatures of every contender, measured the same way
         assert r["entropy"][0] is None and r["entropy"][1] > 0 and r["kl"][1] >= 0, c
     assert "trigger_rate" in by["sgt"]["train"][0] and "peer_ratio_mean" in by["prp"]["train"][0]
