@@ -6,7 +6,11 @@ refactor. The same update through today's stages must reproduce them bit for bit
 replaced by a fixed pattern first: the barely warmed-up tiny pool scores 0, which trains nothing.
 
 Bit-identity holds for one CPU kernel family (torch's CPU capability, e.g. AVX2, recorded with
-the pins); on another the losses must still agree to 1e-6 and the hash is not compared.
+the pins). On another kernel family the warm-up itself rounds differently, so the weights the
+update starts from differ in the last bits: the hash is not compared, the loss (a near-zero
+cancellation of O(1) terms at the first, on-policy step) must agree to 1e-6 absolute and the
+gradient norm (which any change of advantage, weighting or normalisation moves by far more) to
+1e-3 relative. CI measured 7e-4 relative (2e-8 absolute) on the loss between AVX2 and its CPU.
 """
 
 import hashlib
@@ -94,4 +98,6 @@ def test_one_smoke_update_is_bit_identical_to_the_pinned_one(rollouts, algo):
             assert got[agent]["loss"] == pin["loss"] and got[agent]["grad_norm"] == pin["grad_norm"], agent
             assert weights_sha256(lay.checkpoint(1, agent)) == pin["weights_sha256"], agent
         else:
-            assert got[agent]["loss"] == pytest.approx(pin["loss"], rel=1e-6, abs=1e-9), agent
+            where = f"{agent} on {torch.backends.cpu.get_cpu_capability()} (pins: {PINS['cpu_capability']})"
+            assert got[agent]["loss"] == pytest.approx(pin["loss"], rel=0, abs=1e-6), where
+            assert got[agent]["grad_norm"] == pytest.approx(pin["grad_norm"], rel=1e-3), where
