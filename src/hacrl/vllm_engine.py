@@ -37,7 +37,9 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, tokenizer, python: str | Path, max_model_len: int,
                  dtype: str = "float32", seed: int = 0, threads: int = 2, kv_cache_gib: int = 1,
-                 log_path: str | Path | None = None, timeout_s: float = 600.0):
+                 log_path: str | Path | None = None, timeout_s: float = 600.0,
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                 env: dict[str, str] | None = None, max_num_batched_tokens: int = 0, sleep_mode: bool = False):
         self.model_dir = str(model_dir)
         self.tokenizer = tokenizer
         self.python = str(python)
@@ -47,6 +49,12 @@ class VLLMEngine:
         self.threads = threads
         self.kv_cache_gib = kv_cache_gib
         self.timeout_s = timeout_s
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.tensor_parallel_size = tensor_parallel_size
+        self.extra_env = dict(env or {})
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.sleep_mode = bool(sleep_mode)
+        self.asleep = False
         self.log_path = Path(log_path) if log_path else None
         self.proc = None
         self.startup_s = self._start()
@@ -64,7 +72,7 @@ class VLLMEngine:
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(max(1, int(self.kv_cache_gib))),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{max(0, self.threads - 1)}", OMP_NUM_THREADS=str(self.threads),
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", **self.extra_env)
         for k in ("PYTHONPATH", "VIRTUAL_ENV"):  # the project's environment must not leak into vLLM's
             env.pop(k, None)
         self._log = open(self.log_path, "a")
@@ -73,7 +81,11 @@ class VLLMEngine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, env=env, start_new_session=True)
         self._call({"cmd": "load", "model": self.model_dir, "dtype": self.dtype,
-                    "max_model_len": self.max_model_len, "seed": self.seed})
+                    "max_model_len": self.max_model_len, "seed": self.seed,
+                    "gpu_memory_utilization": self.gpu_memory_utilization,
+                    "tensor_parallel_size": self.tensor_parallel_size,
+                    "max_num_batched_tokens": self.max_num_batched_tokens, "sleep_mode": self.sleep_mode})
+        self.asleep = False
         return time.time() - t0
 
     def _tail(self) -> str:
@@ -129,12 +141,30 @@ class VLLMEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def sleep(self) -> None:
+        """Free the device for an update and keep the process (vLLM sleep mode, GPU engines
+        started with ``sleep_mode``); an engine without it stops. Wakes before the next request."""
+        if not self.sleep_mode:
+            self.close()
+            return
+        self._call({"cmd": "sleep"})
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.proc is None:
+            self._start()
+        elif self.asleep:
+            self._call({"cmd": "wake"})
+        self.asleep = False
+
     # -- serving
     def reload(self, weights_dir: str | Path) -> dict:
         """Serve the weights in ``weights_dir`` (same architecture): vLLM's in-place reload, or a
         restart when the model ties its embeddings. Returns ``{"mode", "seconds"}``."""
         t0 = time.time()
-        if ties_embeddings(weights_dir):
+        if self.asleep:
+            self.wake()
+        if self.proc is None or ties_embeddings(weights_dir):  # stopped (released), or tied
             self.close()
             self.model_dir = str(weights_dir)
             self._start()

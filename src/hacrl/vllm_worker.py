@@ -7,7 +7,8 @@ replies are JSON lines on stdin / stdout, and vLLM's own logging goes to stderr.
 opened, and nothing listens.
 
 Requests:
-- ``{"cmd": "load", "model": DIR, "dtype": ..., "max_model_len": N, "seed": S}``
+- ``{"cmd": "load", "model": DIR, "dtype": ..., "max_model_len": N, "seed": S,
+  "gpu_memory_utilization": F, "tensor_parallel_size": K}``
 - ``{"cmd": "generate", "prompts": [[ids]], "n": ..., "temperature": ..., "top_p": ...,
   "max_tokens": ..., "greedy": bool, "seeds": [per prompt], "stop_token_ids": [...]}``
   returns, per prompt, n ``{"token_ids", "logprobs", "finish_reason"}``.
@@ -59,10 +60,27 @@ def main() -> int:
             if cmd == "load":
                 from vllm import LLM
 
+                extra = {}
+                if req.get("sleep_mode"):  # GPU only: sleep() moves the weights off the device
+                    extra["enable_sleep_mode"] = True
+                budget = int(req.get("max_num_batched_tokens") or 0)
+                import torch
+
+                if not torch.cuda.is_available():
+                    # a prompt prefilled in chunks has its sampled token discarded and its seeded
+                    # generator rewound, which CPU generators cannot do (measured: "CPU Generator
+                    # does not use offset" once a batch's prompts exceed the token budget); whole
+                    # prefills need a budget of at least one full sequence
+                    extra["enable_chunked_prefill"] = False
+                    budget = max(budget, int(req["max_model_len"]))
+                if budget > 0:
+                    extra["max_num_batched_tokens"] = budget
                 llm = LLM(model=req["model"], tokenizer=req["model"], dtype=req.get("dtype", "float32"),
                           max_model_len=int(req["max_model_len"]), seed=int(req.get("seed", 0)),
                           enforce_eager=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False,
+                          gpu_memory_utilization=float(req.get("gpu_memory_utilization", 0.9)),
+                          tensor_parallel_size=int(req.get("tensor_parallel_size", 1)), **extra)
                 _reply({"ok": True, "seconds": time.time() - t0})
             elif cmd == "generate":
                 from vllm import SamplingParams
@@ -91,6 +109,12 @@ def main() -> int:
             elif cmd == "reload":
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": req["weights"]})
                 llm.reset_prefix_cache()
+                _reply({"ok": True, "seconds": time.time() - t0})
+            elif cmd == "sleep":  # level 1: weights to host memory, KV cache dropped
+                llm.sleep(level=1)
+                _reply({"ok": True, "seconds": time.time() - t0})
+            elif cmd == "wake":
+                llm.wake_up()
                 _reply({"ok": True, "seconds": time.time() - t0})
             elif cmd == "stop":
                 _reply({"ok": True})
