@@ -3,8 +3,10 @@
 ``prefect deployment run hacrl/iterate`` runs the next iteration not yet done (or the one named
 by ``iteration``) as six tasks, one per stage, each through ``dvc repro --single-item`` so that
 DVC records it; when every configured iteration is done, the experiment grows by one. A
-workspace lock keeps two runs off the same iteration. ``update-policies`` is a GPU task, routed
-to the ``gpu`` work pool when one has workers (see ``orchestration.gpu_routing``).
+workspace lock keeps two runs off the same iteration. ``update-policies`` (and any stage whose
+jobs MWRA puts on GPUs) is a GPU task, routed to the ``gpu`` work pool when one has workers
+(see ``orchestration.gpu_routing``); every stage task is tagged with the devices its jobs hold
+(``device:cuda:0``, ``device:cpu:1``), each tag limited to one task at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
 from hacrl import config as config_mod  # noqa: E402
-from hacrl.orchestration import (GPU_STAGES, ITERATION_STAGES, PREPARE_STAGES,  # noqa: E402
-                                 plan_iteration, stage_id, workspace_lock)
-from tasks.stages import dvc_stage, gpu_stage  # noqa: E402
+from hacrl.orchestration import (ITERATION_STAGES, PREPARE_STAGES, device_tags,  # noqa: E402
+                                 gpu_stages, plan_iteration, stage_devices, stage_id, workspace_lock)
+from tasks.stages import dvc_stage, ensure_device_limits, gpu_stage  # noqa: E402
 
 
 def _name_run(name: str) -> None:
@@ -59,17 +61,25 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         logger.info("iteration %d of %d%s%s", t, plan.configured, " (experiment extended by one)" if plan.extended
                     else "", "; preparing data and pool first" if plan.prepare else "")
         retry = {"retries": o.retries, "retry_delay_seconds": o.retry_delay_s}
+        # MWRA: each stage task is tagged with the devices its jobs hold (one slot per device),
+        # and a stage with jobs on GPUs goes to the GPU pool
+        tags = {s: device_tags(stage_devices(cfg, s)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
+        ensure_device_limits(sorted({x for v in tags.values() for x in v}))
+        on_gpu = gpu_stages(cfg)
         done: dict[str, str] = {}
         if plan.prepare:
             for s in PREPARE_STAGES:
-                done[s] = dvc_stage.with_options(name=s, task_run_name=s, **retry)(str(project), s)
+                done[s] = dvc_stage.with_options(name=s, task_run_name=s, tags={*dvc_stage.tags, *tags[s]},
+                                                 **retry)(str(project), s)
         for s in ITERATION_STAGES:
             sid = stage_id(s, t)
-            if s in GPU_STAGES:
-                done[sid] = gpu_stage.with_options(name=s, task_run_name=sid, **retry)(
+            if s in on_gpu:
+                done[sid] = gpu_stage.with_options(name=s, task_run_name=sid, tags={*gpu_stage.tags, *tags[s]},
+                                                   **retry)(
                     str(project), sid, force, o.gpu_routing, o.gpu_pool, o.gpu_deployment)
             else:
-                done[sid] = dvc_stage.with_options(name=s, task_run_name=sid, **retry)(str(project), sid, force)
+                done[sid] = dvc_stage.with_options(name=s, task_run_name=sid, tags={*dvc_stage.tags, *tags[s]},
+                                                   **retry)(str(project), sid, force)
         if t == plan.configured:
             done["report"] = dvc_stage.with_options(name="report", task_run_name="report", **retry)(
                 str(project), "report")

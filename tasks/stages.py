@@ -36,6 +36,24 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
     return status
 
 
+def ensure_device_limits(tags: list[str]) -> None:
+    """A tag concurrency limit of 1 for each device tag (``hacrl.orchestration.device_tags``):
+    a task holding ``device:cuda:0`` waits while another flow run's task holds it."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    if not tags:
+        return
+    with get_client(sync_client=True) as client:
+        for tag in tags:
+            try:
+                if client.read_concurrency_limit_by_tag(tag).concurrency_limit == 1:
+                    continue
+            except ObjectNotFound:
+                pass
+            client.create_concurrency_limit(tag=tag, concurrency_limit=1)
+
+
 def gpu_pool_has_workers(pool: str) -> bool:
     """Whether work pool ``pool`` exists and has at least one online worker."""
     from prefect.client.orchestration import get_client

@@ -37,6 +37,10 @@ def test_overrides_reach_the_typed_config():
     ("agents.pool.1.tokenizer.kind=sentencepiece", "agents[1].tokenizer.kind", "sentencepiece"),
     ("trainer.zero_stage=7", "trainer.zero_stage", "7"),
     ("+rollout.bogus=1", "rollout.bogus", "1"),
+    ("rollout.engine=sglang", "rollout.engine", "sglang"),
+    ("engines.vllm_kv_cache_gib=0", "engines.vllm_kv_cache_gib", "0"),
+    ("engines.vllm_gpu_memory_utilization=1.5", "engines.vllm_gpu_memory_utilization", "1.5"),
+    ("+agents.pool.0.fetch=llama70b", "agents[0].fetch", "llama70b"),
 ])
 def test_bad_config_fails_at_start_with_one_line(tmp_path, override, key, value):
     out = tmp_path / "params.yaml"
@@ -73,3 +77,13 @@ def test_malformed_dataset_stops_prepare_data_with_file_and_line(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == f"hacrl: error: {train}:2: missing field 'answer'"
     assert not (tmp_path / "data" / "tasks").exists()
+
+
+def test_a_fetched_agent_needs_no_model_directory_yet():
+    cfg = config.from_dict(config.compose(["agents=smollm2_mix", "experiment=smollm2"]))
+    smol = cfg.agents[0]
+    assert smol.fetch == "smollm2" and smol.chat and smol.path == "models/SmolLM2-135M-Instruct"
+    assert cfg.data.heldout_size == 64 and cfg.rollout.max_new_tokens == 48  # the experiment file wins
+    assert cfg.rollout.engine == "hf"
+    v = config.from_dict(config.compose(["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm"]))
+    assert v.rollout.engine == "vllm" and v.rollout.max_new_tokens == 48

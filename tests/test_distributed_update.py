@@ -99,7 +99,24 @@ def test_two_processes_give_the_single_process_weights(ready, zero):
         assert s2[ac.name]["grad_norm"] == pytest.approx(s1[ac.name]["grad_norm"], rel=1e-4)
         # the export is a plain HF checkpoint at either world size; the state says its world size
         st = RunLayout(cfg2.experiment.runs_dir).train_state(1) / ac.name
-        assert json.loads((st / WORLD_FILE).read_text()) == {"world_size": 2, "updates": s2[ac.name]["total_updates"]}
+        assert json.loads((st / WORLD_FILE).read_text()) == {"world_size": 2, "updates": s2[ac.name]["total_updates"],
+                                                             "zero_stage": zero}
+
+
+def _load_saved_state(saved_by, extra, caplog):
+    """The first learner's optimizer at world size 1 with ``extra`` loading the state
+    iteration 1's update wrote under ``saved_by``'s runs; returns (agent config, optimizer)."""
+    from hacrl.pool import load_agent
+    from hacrl.trainer import PolicyOptimizer
+
+    cfg = config.from_dict({**config.compose(SMOKE + ["algorithm=hacpo", *extra]),
+                            "experiment": {**saved_by.experiment.__dict__}})
+    lay = RunLayout(cfg.experiment.runs_dir)
+    ac = cfg.agents[0]
+    opt = PolicyOptimizer(load_agent(ac, lay.checkpoint(1, ac.name)).model, cfg.trainer, 8)
+    with caplog.at_level(logging.WARNING, logger="hacrl.trainer"):
+        opt.load_state(lay.train_state(1) / ac.name)
+    return ac, opt
 
 
 @pytest.mark.slow
@@ -107,19 +124,10 @@ def test_resuming_at_another_world_size_keeps_the_weights_and_says_what_restarts
     """A ZeRO 1 state saved by 2 ranks does not load in 1; the next update starts from the HF
     checkpoint, keeps the update counter, restarts Adam's moments, and says so."""
     cfg2, s2 = run_update(ready, ["trainer.zero_stage=1", "trainer.world_size=2"])
-    cfg1 = config.from_dict({**config.compose(SMOKE + ["algorithm=hacpo", "trainer.zero_stage=1"]),
-                             "experiment": {**cfg2.experiment.__dict__}})
-    lay = RunLayout(cfg1.experiment.runs_dir)
-    ac = cfg1.agents[0]
-    from hacrl.pool import load_agent
-    from hacrl.trainer import PolicyOptimizer
-
-    agent = load_agent(ac, lay.checkpoint(1, ac.name))
-    opt = PolicyOptimizer(agent.model, cfg1.trainer, 8)
-    with caplog.at_level(logging.WARNING, logger="hacrl.trainer"):
-        opt.load_state(lay.train_state(1) / ac.name)
+    ac, opt = _load_saved_state(cfg2, ["trainer.zero_stage=1"], caplog)
     assert opt.state.updates == s2[ac.name]["total_updates"] > 0
-    assert "saved at world size 2, this update runs at 1" in caplog.text and "restart from zero" in caplog.text
+    assert "saved at world size 2 with ZeRO 1, this update runs at 1 with ZeRO 1" in caplog.text
+    assert "restart from zero" in caplog.text
     assert not any(opt.optimizer.state.values())
 
 
@@ -149,3 +157,47 @@ def test_ranks_take_whole_prompt_groups_and_too_small_a_mini_batch_is_refused():
     with pytest.raises(ValueError, match="fewer than trainer.world_size 4"):
         rank_rows(ids, np.arange(5), 0, 4)
     assert torch.equal(torch.tensor(rank_rows(ids, np.arange(5), 0, 1)), torch.arange(5))
+
+
+SHARES = "resources.devices=[{id: 'cpu:0'}, {id: 'cpu:1'}]"
+
+
+@pytest.mark.slow
+def test_mwra_runs_two_learners_at_once_on_two_cpu_shares_with_the_same_result(ready, tmp_path):
+    """The planner puts the two learners' updates in one wave (disjoint cpu shares); the stage
+    runs them at once, each as its own process with one of the two cores. Placement changes
+    where and when, not what: the weights equal the one-at-a-time update's."""
+    from hacrl.stages import resource_plan
+
+    cfg1, s1 = run_update(ready, [])
+    cfg, s = run_update(ready, [SHARES])
+    waves = [[j.agent for j in w.jobs] for w in resource_plan(cfg).waves if w.stage == "update"]
+    together = [a.name for a in cfg.agents]
+    assert waves == [together], waves
+    for ac in cfg.agents:
+        w1, w2 = weights(cfg1, ac.name), weights(cfg, ac.name)
+        diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+        assert diff <= WEIGHT_TOL, (ac.name, diff)
+        assert s[ac.name]["samples"] == s1[ac.name]["samples"]
+        # a learner that shared its wave ran in its own process (the launcher's figures say so)
+        assert ("world_size" in s[ac.name]) == (ac.name in together)
+    # rollouts: the in-process transformers engine takes its jobs one at a time, so the same
+    # seeds give the same tokens whatever the plan
+    shutil.copytree(cfg1.experiment.runs_dir, tmp_path / "runs")
+    c = cfg_for(tmp_path, [SHARES])
+    stages.generate_rollouts(c, 2)
+    stages.generate_rollouts(cfg1, 2)
+    for ac in c.agents:
+        a = read_records(RunLayout(c.experiment.runs_dir).rollouts(2) / f"{ac.name}.parquet", "rollout")
+        b = read_records(RunLayout(cfg1.experiment.runs_dir).rollouts(2) / f"{ac.name}.parquet", "rollout")
+        assert a["response_token_ids"].map(list).tolist() == b["response_token_ids"].map(list).tolist(), ac.name
+
+
+@pytest.mark.slow
+def test_resuming_with_zero_switched_on_restarts_adam_and_says_so(ready, caplog):
+    """A ZeRO 0 state (one file per engine) does not load into a ZeRO 1 optimizer (partitioned
+    files): the update keeps the counter, restarts Adam's moments and says so, not a missing file."""
+    cfg0, s0 = run_update(ready, [])
+    ac, opt = _load_saved_state(cfg0, ["trainer.zero_stage=1"], caplog)
+    assert opt.state.updates == s0[ac.name]["total_updates"] > 0
+    assert "with ZeRO 0, this update runs at 1 with ZeRO 1" in caplog.text

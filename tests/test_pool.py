@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 
 from conftest import make_agent
+from hacrl.config import ConfigError
 from hacrl.pool import load_agent, save_agent
 
 KINDS = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram"]
@@ -90,3 +93,23 @@ def test_the_shared_tokenizer_pool_trains_one_tokenizer_for_both_agents(tiny_pro
     assert toks[0](text)["input_ids"] == toks[1](text)["input_ids"]
     sizes = [build_model(ac, toks[0]).num_parameters() for ac in (small, large)]
     assert sizes[1] > 4 * sizes[0]
+
+
+CHAT = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_agents_get_their_chat_template_once(tiny_problems):
+    from hacrl.pool import prompt_template
+
+    ac, agent = make_agent("llama", "bytelevel_bpe", tiny_problems)
+    tok = agent.tokenizer
+    assert prompt_template(ac, tok) == ac.template  # chat off: the plain template
+    chat_ac = dataclasses.replace(ac, chat=True)
+    with pytest.raises(ConfigError, match="no chat template"):
+        prompt_template(chat_ac, tok)
+    tok.chat_template = CHAT
+    assert prompt_template(chat_ac, tok) == "<|user|>Q: {problem}\nA:<|end|><|assistant|>"
+    tok.chat_template = CHAT.replace("m['content']", "m['content'] | trim | upper")
+    with pytest.raises(ConfigError, match="does not copy the message verbatim"):
+        prompt_template(chat_ac, tok)

@@ -4,7 +4,8 @@ deployments of prefect.yaml, workers, MLflow UI), then `prefect deployment run h
 One workspace, in order: an iteration through the deployment (six Completed stage tasks, the
 policy update routed to the `gpu` pool), `dvc repro` afterwards runs nothing, a failing stage
 marks the run Failed and the next run resumes at that stage, a held lock fails a second run
-with a clear message, `hacrl stop` ends every process.
+with a clear message, `hacrl stop` ends every process. The inventory splits the host into two
+CPU shares, so the stage tasks carry MWRA's device tags and the learners update at once.
 
 The `gpu` pool's worker here is a CPU process standing in for a GPU worker (no GPU on this
 machine): it tests the routing, not GPU execution.
@@ -28,7 +29,9 @@ from hacrl.orchestration import ITERATION_STAGES, workspace_lock
 
 pytestmark = pytest.mark.slow
 
-CONFIG = SMOKE + ["experiment.iterations=1", "orchestration.retry_delay_s=1"]
+# the host split into two CPU shares (MWRA): the two learners' jobs hold one share each
+CONFIG = SMOKE + ["experiment.iterations=1", "orchestration.retry_delay_s=1",
+                  "resources.devices=[{id: 'cpu:0'}, {id: 'cpu:1'}]"]
 
 
 def _env(repo: Path) -> dict:
@@ -116,6 +119,13 @@ def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(ser
     for s in ITERATION_STAGES:
         assert tasks[f"{s}@it1"]["state_type"] == "COMPLETED", tasks.keys()
     assert {"prepare-data", "prepare-pool", "evaluate-warmup", "report"} <= set(tasks)
+    # MWRA: the stage tasks hold the devices their jobs use, one slot per device tag
+    shares = {"device:cpu:0", "device:cpu:1"}
+    for s in ("generate-rollouts", "update-policies", "evaluate"):
+        assert shares <= set(tasks[f"{s}@it1"]["tags"]), (s, tasks[f"{s}@it1"]["tags"])
+    assert not any(x.startswith("device:") for x in tasks["verify-rewards@it1"]["tags"])
+    limits = {c["tag"]: c["concurrency_limit"] for c in _api(served, "/concurrency_limits/filter")}
+    assert limits == {"device:cpu:0": 1, "device:cpu:1": 1}
     # the policy update ran as a flow run of the gpu deployment, on the gpu pool
     gpu_runs = _flow_runs(served, "hacrl-stage")
     assert [(r["name"], r["work_pool_name"], r["state_type"]) for r in gpu_runs] == \

@@ -37,7 +37,14 @@ def test_the_default_cpu_host_runs_everything_in_turn():
     assert [(w.stage, [j.agent for j in w.jobs]) for w in p.waves] == [
         ("rollout", ["small"]), ("rollout", ["mid"]), ("rollout", ["large"]),
         ("update", ["small"]), ("update", ["mid"]), ("update", ["large"])]
-    # each engine stops (a CPU engine has nothing to sleep) before the next job on the host
+    # the host's memory is not declared: an idle CPU engine costs no cores, so engines stay up
+    # (an in-process run then syncs them in place instead of restarting them)
+    assert p.releases == [] and p.kept_alive == AGENTS
+
+
+def test_a_cpu_host_with_declared_memory_stops_engines_before_the_next_job():
+    r = res({"devices": [{"id": "cpu", "memory_gib": 24}]})
+    p = plan(r, AGENTS)
     assert [(x.before, x.agent, x.action) for x in p.releases] == [(1, "small", "stop"), (2, "mid", "stop"),
                                                                    (3, "large", "stop")]
     assert p.kept_alive == []
@@ -125,3 +132,75 @@ def test_the_config_refuses_an_impossible_plan_before_any_work(tmp_path):
                          "resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "wave 0: rollout gpt2-weak on cuda:0; llama-mid on cuda:1" in ok.stdout, ok.stderr
+
+
+def test_run_stage_runs_a_waves_jobs_at_once_and_the_waves_in_turn():
+    import threading
+    import time
+
+    from hacrl.resources import device_env, job_threads, run_stage
+
+    r = res({"devices": gpus(2), "engine_release": "sleep", "agents": {
+        "large": {"rollout": {"devices": 2}, "update": {"devices": 2}}}})
+    p = plan(r, AGENTS)
+    spans, released, lock = {}, [], threading.Lock()
+
+    def job(j):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        with lock:
+            spans[j.agent] = (t0, time.monotonic(), threading.current_thread().name)
+        return device_env(j.devices)
+
+    out = run_stage(p, "update", job, release=released.append)
+    waves = [[j.agent for j in w.jobs] for w in p.waves if w.stage == "update"]
+    assert waves == [["large"], ["small", "mid"]]
+    assert out["large"] == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert {out["small"]["CUDA_VISIBLE_DEVICES"], out["mid"]["CUDA_VISIBLE_DEVICES"]} == {"0", "1"}
+    a, b = spans["small"], spans["mid"]
+    assert a[0] < b[1] and b[0] < a[1], "the jobs of one wave overlap in time"
+    assert spans["large"][1] <= min(a[0], b[0]), "a wave starts when the one before has finished"
+    # the engines still up are put to sleep before the first update wave, which needs both GPUs
+    # (large's was released in the rollout stage, before small's and mid's took its GPUs)
+    assert sorted(x.agent for x in released) == ["mid", "small"] and {x.action for x in released} == {"sleep"}
+    assert [x.agent for x in p.releases if p.waves[x.before].stage == "rollout"] == ["large"]
+    assert job_threads(r, p.job("small", "update"), 16) == 16  # GPUs: the host's threads
+    cpu = res({"devices": [{"id": "cpu:0"}, {"id": "cpu:1"}]})
+    assert job_threads(cpu, plan(cpu, AGENTS).job("small", "update"), 2) == 1
+
+
+def test_a_failed_job_fails_the_stage_naming_the_agent_after_its_wave_finishes():
+    import time
+
+    from hacrl.resources import JobFailed, run_stage
+
+    p = plan(res({"devices": gpus(3)}), AGENTS)
+    finished = []
+
+    def job(j):
+        if j.agent == "mid":
+            raise RuntimeError("out of memory")
+        time.sleep(0.2)
+        finished.append(j.agent)
+
+    with pytest.raises(JobFailed, match=r"update of mid \(wave \d, on cuda:\d\): out of memory"):
+        run_stage(p, "update", job)
+    assert sorted(finished) == ["large", "small"]
+
+
+def test_cpu_shares_and_the_whole_host_do_not_mix():
+    with pytest.raises(config.ConfigError, match="not both"):
+        config.from_dict({**config.compose([]), "resources": {"devices": [{"id": "cpu"}, {"id": "cpu:0"}]}})
+
+
+def test_stage_devices_tags_and_gpu_routing_follow_the_plan():
+    from hacrl.orchestration import device_tags, gpu_stages, stage_devices
+
+    cpu = config.from_dict(config.compose([]))
+    assert stage_devices(cpu, "update-policies@it3") == ("cpu",) and device_tags(("cpu",)) == []
+    assert stage_devices(cpu, "verify-rewards") == ()
+    assert gpu_stages(cpu) == ("update-policies",)  # the routing as before on a CPU host
+    g = config.from_dict(config.compose(["resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"]))
+    assert stage_devices(g, "generate-rollouts") == ("cuda:0", "cuda:1")
+    assert device_tags(stage_devices(g, "evaluate")) == ["device:cuda:0", "device:cuda:1"]
+    assert gpu_stages(g) == ("generate-rollouts", "update-policies", "evaluate")

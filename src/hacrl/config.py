@@ -94,9 +94,16 @@ class AgentConfig:
     """Keyword arguments of the transformers config class (hidden size, layers, ...)."""
     path: str | None = None
     """A Hugging Face model directory: when set the agent is a real model and is not built."""
+    fetch: str | None = None
+    """A pretrained model the project fetches offline (:mod:`hacrl.pretrained`: ``smollm2``):
+    prepare-pool writes it to ``path`` when that directory does not exist yet."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     template: str = "Q: {problem}\nA:"
     """The agent's own prompt template; ``{problem}`` is replaced by the problem text."""
+    chat: bool = False
+    """Instruct models: the filled template becomes the user turn of the tokenizer's chat
+    template, followed by the opened assistant turn (``apply_chat_template`` with
+    ``add_generation_prompt``)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
     @property
@@ -196,7 +203,8 @@ class AlgorithmConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Rollout engine: ``hf`` (transformers generate, CPU/embedded); vLLM arrives in a later issue."""
+    """Rollout engine: ``hf`` (transformers generate in the stage's process) or ``vllm`` (vLLM in
+    its own environment and process, ``make setup-vllm``; options under ``engines``)."""
     group_size: int = 8
     prompts_per_iteration: int = 512
     temperature: float = 1.0
@@ -247,6 +255,28 @@ class EvalConfig:
 
 
 @dataclass
+class EnginesConfig:
+    """How the rollout engines run (no effect on results: the engine itself is ``rollout.engine``)."""
+
+    vllm_python: str = ".venv-vllm/bin/python"
+    """The vLLM environment's interpreter (relative to the project root), built by ``make setup-vllm``."""
+    vllm_threads: int = 0
+    """CPU threads of a vLLM worker on a CPU host (0: ``experiment.threads``)."""
+    vllm_kv_cache_gib: int = 1
+    """KV cache of a vLLM worker on a CPU host (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_max_model_len: int = 0
+    """Prompt + response tokens per sequence (0: the model's ``max_position_embeddings``, at most 4096)."""
+    vllm_gpu_memory_utilization: float = 0.85
+    """Fraction of a GPU's memory vLLM may take (GPU hosts only)."""
+    vllm_timeout_s: float = 900.0
+    """A vLLM worker that does not answer a request (start-up included) in this time is stopped."""
+    logprob_check_samples: int = 64
+    """Sequences per agent and iteration on which generate-rollouts compares the engine's sampled
+    log-probs with the trainer's forward on the same tokens (logged as ``logprob_gap_mean`` /
+    ``logprob_gap_max``); 0 turns the check off."""
+
+
+@dataclass
 class OrchestrationConfig:
     """How ``prefect deployment run hacrl/iterate`` drives the DVC stages (no effect on results)."""
 
@@ -281,7 +311,9 @@ class DeviceConfig:
     """One device of the inventory."""
 
     id: str = "cpu"
-    """``cpu`` or ``cuda:N`` (what the job's process is given: ``CUDA_VISIBLE_DEVICES`` for a GPU)."""
+    """``cpu`` (the host), ``cpu:N`` (an equal share of the host's ``experiment.threads`` cores,
+    so that jobs on different shares run at once) or ``cuda:N`` (given to the job's processes as
+    ``CUDA_VISIBLE_DEVICES``)."""
     memory_gib: float = 0.0
     """Memory a job may use there; 0: not declared (not checked, e.g. the CPU host)."""
 
@@ -335,6 +367,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -458,7 +491,19 @@ def validate(cfg: Config) -> Config:
     _check(isinstance(h.residual_sample, int) and h.residual_sample >= 0, "algorithm.thl.residual_sample",
            h.residual_sample, "must be an integer >= 0")
     r = cfg.rollout
-    _check(r.engine in ("hf",), "rollout.engine", r.engine, "known engines: hf")
+    _check(r.engine in ("hf", "vllm"), "rollout.engine", r.engine, "known engines: hf, vllm")
+    e = cfg.engines
+    _check(isinstance(e.vllm_threads, int) and e.vllm_threads >= 0, "engines.vllm_threads", e.vllm_threads,
+           "must be an integer >= 0")
+    _check(isinstance(e.vllm_kv_cache_gib, int) and e.vllm_kv_cache_gib >= 1, "engines.vllm_kv_cache_gib",
+           e.vllm_kv_cache_gib, "must be an integer >= 1")
+    _check(isinstance(e.vllm_max_model_len, int) and e.vllm_max_model_len >= 0, "engines.vllm_max_model_len",
+           e.vllm_max_model_len, "must be an integer >= 0")
+    _check(0 < e.vllm_gpu_memory_utilization <= 1, "engines.vllm_gpu_memory_utilization",
+           e.vllm_gpu_memory_utilization, "must be in (0, 1]")
+    _check(e.vllm_timeout_s > 0, "engines.vllm_timeout_s", e.vllm_timeout_s, "must be > 0")
+    _check(isinstance(e.logprob_check_samples, int) and e.logprob_check_samples >= 0,
+           "engines.logprob_check_samples", e.logprob_check_samples, "must be an integer >= 0")
     _check(isinstance(r.group_size, int) and r.group_size >= 2, "rollout.group_size",
            r.group_size, "group-relative advantages need at least 2 samples per prompt")
     _check(r.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", r.prompts_per_iteration, "must be >= 1")
@@ -488,10 +533,13 @@ def validate(cfg: Config) -> Config:
     ids = [x.id for x in rs.devices]
     _check(len(set(ids)) == len(ids), "resources.devices", ids, "duplicate device id")
     for i, x in enumerate(rs.devices):
-        _check(isinstance(x.id, str) and (x.id == "cpu" or x.id.startswith("cuda:") and x.id[5:].isdigit()),
-               f"resources.devices[{i}].id", x.id, "cpu or cuda:N")
+        _check(isinstance(x.id, str) and (x.id == "cpu" or any(x.id.startswith(k) and x.id[len(k):].isdigit()
+                                                                for k in ("cuda:", "cpu:"))),
+               f"resources.devices[{i}].id", x.id, "cpu, cpu:N (a share of the host's cores) or cuda:N")
         _check(isinstance(x.memory_gib, (int, float)) and x.memory_gib >= 0, f"resources.devices[{i}].memory_gib",
                x.memory_gib, "must be >= 0")
+    _check(not ("cpu" in ids and any(x.startswith("cpu:") for x in ids)), "resources.devices", ids,
+           "either the whole host (cpu) or shares of it (cpu:N), not both")
     _check(isinstance(rs.engines_alive, int) and rs.engines_alive >= 0, "resources.engines_alive",
            rs.engines_alive, "must be an integer >= 0")
     _check(rs.engine_release in ("sleep", "stop"), "resources.engine_release", rs.engine_release, "sleep or stop")
@@ -532,7 +580,12 @@ def validate(cfg: Config) -> Config:
                and not ag.name.startswith("."), f"{key}.name", ag.name, "letters, digits, '-', '_' and '.' only")
         _check(ag.name not in names, f"{key}.name", ag.name, "duplicate agent name")
         names.add(ag.name)
-        if ag.path is not None:
+        if ag.fetch is not None:
+            from hacrl.pretrained import FETCHERS
+
+            _check(ag.fetch in FETCHERS, f"{key}.fetch", ag.fetch, f"choose from {', '.join(FETCHERS)}")
+            _check(ag.path is not None, f"{key}.path", ag.path, "a fetched model needs the directory to write it to")
+        elif ag.path is not None:
             _check(Path(ag.path).is_dir(), f"{key}.path", ag.path, "model path does not exist")
         else:
             _check(ag.arch in KNOWN_ARCHS, f"{key}.arch", ag.arch, f"choose from {', '.join(KNOWN_ARCHS)}")

@@ -81,14 +81,15 @@ class HFEngine:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             kw = dict(do_sample=False) if params.greedy else dict(
                 do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attn,
+            dev = next(self.model.parameters()).device  # a GPU when the job was placed on one
+            out = self.model.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev),
                                       max_new_tokens=params.max_new_tokens, pad_token_id=pad,
                                       eos_token_id=eos, output_logits=True,
                                       return_dict_in_generate=True, **kw)
-            new = out.sequences[:, L:]
+            new = out.sequences[:, L:].cpu()
             # raw logits -> the sampling distribution at the temperature (top-p is not folded in)
             temp = 1.0 if params.greedy else params.temperature
-            logits = torch.stack(out.logits, dim=1).float() / temp
+            logits = torch.stack(out.logits, dim=1).float().cpu() / temp
             lp = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)
             for r, j in enumerate(idx):
                 ids = new[r].tolist()

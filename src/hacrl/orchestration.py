@@ -37,6 +37,37 @@ NO_RETRY_EXIT_CODES = (2, 3)
 would fail the same way."""
 
 
+PLAN_KIND = {"generate-rollouts": "rollout", "evaluate": "rollout", "evaluate-warmup": "rollout",
+             "update-policies": "update"}
+"""Which MWRA jobs a stage carries out (evaluation generates where the agent's rollouts do)."""
+
+
+def stage_devices(cfg, stage: str) -> tuple[str, ...]:
+    """The devices the MWRA plan gives ``stage``'s jobs (none for a stage without a device job)."""
+    from hacrl.resources import plan
+
+    kind = PLAN_KIND.get(stage.split("@", 1)[0])
+    if kind is None:
+        return ()
+    p = plan(cfg.resources, [a.name for a in cfg.agents])
+    ids = [d.id for d in cfg.resources.devices]
+    return tuple(sorted({d for j in p.jobs(kind) for d in j.devices}, key=ids.index))
+
+
+def device_tags(devices: tuple[str, ...]) -> list[str]:
+    """A stage task's Prefect tags for the devices it holds: GPUs and CPU shares (``device:cuda:0``).
+    Each such tag has a concurrency limit of 1, so two flow runs (two experiments on one host)
+    never hold a device at once. The whole CPU host is not tagged: it is shared by time."""
+    return [f"device:{d}" for d in devices if d != "cpu"]
+
+
+def gpu_stages(cfg) -> tuple[str, ...]:
+    """Stages routed to the GPU work pool: the update always (as before), and every stage whose
+    jobs the plan puts on a GPU."""
+    return tuple(s for s in ITERATION_STAGES
+                 if s in GPU_STAGES or any(d.startswith("cuda:") for d in stage_devices(cfg, s)))
+
+
 class StageFailed(RuntimeError):
     """A stage's ``dvc repro`` failed; carries the stage, the exit code and the output's tail."""
 

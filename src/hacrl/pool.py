@@ -130,6 +130,31 @@ def load_tokenizer(agent: AgentConfig, model_dir: str | Path):
     return tok
 
 
+def prompt_template(agent: AgentConfig, tokenizer) -> str:
+    """The agent's prompt template as every stage fills it (``{problem}`` replaced by the text).
+
+    With ``chat`` the template is wrapped once in the tokenizer's chat template (a user turn,
+    then the opened assistant turn), so rendering stays a plain substitution everywhere. That is
+    exact only when the chat template copies the message verbatim; it is checked on a sample
+    problem, and a template that rewrites its content is refused.
+    """
+    if not agent.chat:
+        return agent.template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"agents.{agent.name}.chat: the tokenizer has no chat template")
+
+    def chat(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    wrapped = chat(agent.template)
+    probe = "12 + 3 * (4 - 1) = ?"
+    if wrapped.count("{problem}") != agent.template.count("{problem}") or \
+            wrapped.replace("{problem}", probe) != chat(agent.template.replace("{problem}", probe)):
+        raise ConfigError(f"agents.{agent.name}.chat: the chat template does not copy the message verbatim")
+    return wrapped
+
+
 def load_agent(agent: AgentConfig, model_dir: str | Path, dtype: str = "fp32") -> Agent:
     """Load an agent from a Hugging Face directory (embedded or real, the same way)."""
     import torch
@@ -142,7 +167,7 @@ def load_agent(agent: AgentConfig, model_dir: str | Path, dtype: str = "fp32") -
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()
-    return Agent(agent.name, tok, model, agent.template)
+    return Agent(agent.name, tok, model, prompt_template(agent, tok))
 
 
 def save_agent(agent: Agent, out_dir: str | Path) -> None:

@@ -85,3 +85,7 @@ def fetch_smollm2(out_dir: str | Path, dtype: str = "float32") -> Path:
             tok.save_pretrained(dst)
     log.info("SmolLM2-135M-Instruct converted to %s", out)
     return out
+
+
+FETCHERS = {"smollm2": fetch_smollm2}
+"""What ``agents[*].fetch`` may name: a function writing the model to a directory."""

@@ -8,13 +8,20 @@ same time on disjoint devices; jobs that would share a device run in turn, and a
 whose devices an update needs is put to sleep (or stopped) first. A demand that no device can
 meet fails here, naming the agent, the stage and the resource, before any work starts.
 
+:func:`run_stage` carries a plan out: the stages hand it one function per job, and it runs a
+wave's jobs at the same time and the waves in turn, releasing engines where the plan says.
+
 Pure Python: no torch, no Prefect; the orchestrator and the stages read the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from hacrl.config import ConfigError, ResourcesConfig, StageResources
 
@@ -199,11 +206,16 @@ def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
         # device memory to free, so it stops
         return Release(before, agent, "stop" if "cpu" in devs else res.engine_release, devs)
 
+    def contended(devs: tuple[str, ...]) -> bool:
+        # a GPU's memory is what engines and updates fight over; a CPU host's memory only when
+        # declared: an idle CPU engine costs no cores, and keeping it saves a start-up
+        return any(x.startswith("cuda:") or cap[x] > 0 for x in devs)
+
     releases, alive = [], {}
     for i, w in enumerate(waves):
         need = w.busy
         for a, devs in list(alive.items()):
-            if need & set(devs):
+            if need & set(devs) and contended(devs):
                 releases.append(release(i, a, devs))
                 del alive[a]
         if w.stage == "rollout" and res.engines_alive:
@@ -213,3 +225,62 @@ def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
         if w.stage == "rollout":
             alive.update({j.agent: j.devices for j in w.jobs})
     return ResourcePlan(waves, releases, [a for a in agents if a in alive])
+
+
+T = TypeVar("T")
+
+
+class JobFailed(RuntimeError):
+    """A job of a wave failed; raised after the wave's other jobs have finished."""
+
+
+def device_env(devices: tuple[str, ...]) -> dict[str, str]:
+    """What a job's processes are given: ``CUDA_VISIBLE_DEVICES`` for GPUs (ranks and vLLM's
+    tensor-parallel workers then count from 0 within it); nothing for the CPU."""
+    gpus = [x.split(":", 1)[1] for x in devices if x.startswith("cuda:")]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
+
+
+def on_gpus(devices: tuple[str, ...]) -> bool:
+    return any(x.startswith("cuda:") for x in devices)
+
+
+def job_threads(res: ResourcesConfig, job: Job, host_threads: int) -> int:
+    """CPU threads for a job: the host's on ``cpu``, an equal share per ``cpu:N`` device it holds."""
+    shares = [x.id for x in res.devices if x.id.startswith("cpu:")]
+    if not shares:
+        return host_threads
+    mine = sum(x.startswith("cpu:") for x in job.devices) or 1
+    return max(1, host_threads * mine // len(shares))
+
+
+def run_stage(p: ResourcePlan, stage: str, run_job: Callable[[Job], T],
+              release: Callable[[Release], None] | None = None) -> dict[str, T]:
+    """Carry out ``stage``'s waves: in turn, and a wave's jobs at the same time (threads: a job's
+    heavy work runs in its own processes, or in torch, which releases the interpreter). Before a
+    wave, ``release`` gets each engine the plan releases there. A failed job fails the stage,
+    naming the agent, once the wave's other jobs have finished (no output of theirs is lost
+    half-written). Returns each agent's result."""
+    results: dict[str, T] = {}
+    for i, w in enumerate(p.waves):
+        if w.stage != stage:
+            continue
+        for r in p.releases:
+            if r.before == i and release is not None:
+                release(r)
+        if len(w.jobs) == 1:
+            results[w.jobs[0].agent] = run_job(w.jobs[0])
+            continue
+        with ThreadPoolExecutor(max_workers=len(w.jobs), thread_name_prefix=f"{stage}-wave{i}") as ex:
+            futures = {j.agent: ex.submit(run_job, j) for j in w.jobs}
+        for agent, f in futures.items():
+            if f.exception() is not None:
+                raise JobFailed(f"{stage} of {agent} (wave {i}, on {', '.join(p.job(agent, stage).devices)}): "
+                                f"{f.exception()}") from f.exception()
+            results[agent] = f.result()
+    return results
+
+
+SERIAL = threading.Lock()
+"""Held by jobs that must not overlap inside one process (transformers' generate seeds torch's
+global generator per batch, so two at once would interleave their random streams)."""

@@ -39,13 +39,20 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """Log-prob of each next token under ``model`` at ``temperature``: shape (B, L-1).
 
     With ``with_entropy`` also returns the per-position entropy of the same distribution.
+    The forward runs where the model is (a GPU for a DeepSpeed engine there); the results come
+    back on the inputs' device, so advantages, masks and losses never care where it ran (the
+    copy is differentiable, and only (B, L-1) values cross, never the logits).
     """
+    where = input_ids.device
+    dev = next(model.parameters()).device
+    if dev != where:
+        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     logits = out.logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     if not with_entropy:
-        return logp
+        return logp.to(where)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logp.to(where), entropy.to(where)

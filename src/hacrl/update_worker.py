@@ -46,9 +46,11 @@ def _config_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, timeout_s: float | None = None) -> dict:
+def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, timeout_s: float | None = None,
+           env: dict[str, str] | None = None) -> dict:
     """Run learner ``name``'s update of iteration ``t`` as ``cfg.trainer.world_size`` processes;
-    return rank 0's figures. ``ckpt_out`` / ``state_out``: the (temporary) output directories."""
+    return rank 0's figures. ``ckpt_out`` / ``state_out``: the (temporary) output directories;
+    ``env``: added to every rank's environment (the job's ``CUDA_VISIBLE_DEVICES``)."""
     ws = cfg.trainer.world_size
     ckpt_out.mkdir(parents=True, exist_ok=True)
     state_out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, time
         threads = max(1, cfg.experiment.threads // ws)  # the ranks share the host's cores
         procs, logs = [], []
         for rank in range(ws):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws),
+            rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws),
                        HACRL_DIST_INIT=f"file://{scratch / 'rendezvous'}", GLOO_SOCKET_IFNAME="lo",
                        OMP_NUM_THREADS=str(threads), HACRL_THREADS=str(threads))
             out = open(scratch / f"rank{rank}.log", "w+")
@@ -67,7 +69,7 @@ def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, time
                 [sys.executable, "-m", "hacrl.update_worker", str(scratch / "config.json"), "--iteration", str(t),
                  "--agent", name, "--ckpt-out", str(ckpt_out), "--state-out", str(state_out),
                  "--stats-out", str(scratch / STATS_FILE)],
-                env=env, stdout=out, stderr=subprocess.STDOUT))
+                env=rank_env, stdout=out, stderr=subprocess.STDOUT))
         t0 = time.time()
         failed = None
         try:
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     dist.barrier()  # rank 0's files are complete before any rank reports success
+    # an explicit teardown: gloo's threads left to the interpreter's exit can abort a finished
+    # rank ("terminate called without an active exception", exit -6; seen here once)
+    dist.destroy_process_group()
     return 0
 
 
