@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OVERRIDES ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm run test test-fast params clean-runs serve stop
+.PHONY: setup setup-vllm run test test-slow test-all params clean-runs serve stop
 
 setup: $(STAMP)
 
@@ -56,11 +56,18 @@ serve: setup
 stop:
 	@if [ -x $(BIN)/hacrl ]; then $(BIN)/hacrl stop; fi
 
+# `make test`: everything but the slow end-to-end tests (real dvc repro, Prefect server, the
+# comparison suites, multi-process DeepSpeed, vLLM, the SmolLM2 pool); CI runs those too, with
+# `make test-slow` (vLLM's tests need `make setup-vllm`, and fail without it when
+# HACRL_REQUIRE_VLLM=1, as in CI).
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-
-test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-runs:
 	rm -rf runs data reports/*.png reports/*.json reports/*.csv reports/README.md
