@@ -69,8 +69,13 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         done: dict[str, str] = {}
         if plan.prepare:
             for s in PREPARE_STAGES:
-                done[s] = dvc_stage.with_options(name=s, task_run_name=s, tags={*dvc_stage.tags, *tags[s]},
-                                                 **retry)(str(project), s)
+                if s in on_gpu:
+                    done[s] = gpu_stage.with_options(name=s, task_run_name=s, tags={*gpu_stage.tags, *tags[s]},
+                                                     **retry)(str(project), s, False, o.gpu_routing, o.gpu_pool,
+                                                              o.gpu_deployment)
+                else:
+                    done[s] = dvc_stage.with_options(name=s, task_run_name=s, tags={*dvc_stage.tags, *tags[s]},
+                                                     **retry)(str(project), s)
         for s in ITERATION_STAGES:
             sid = stage_id(s, t)
             if s in on_gpu:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -172,7 +173,7 @@ def test_run_stage_runs_a_waves_jobs_at_once_and_the_waves_in_turn():
 def test_a_failed_job_fails_the_stage_naming_the_agent_after_its_wave_finishes():
     import time
 
-    from hacrl.resources import JobFailed, run_stage
+    from hacrl.resources import run_stage
 
     p = plan(res({"devices": gpus(3)}), AGENTS)
     finished = []
@@ -183,8 +184,9 @@ def test_a_failed_job_fails_the_stage_naming_the_agent_after_its_wave_finishes()
         time.sleep(0.2)
         finished.append(j.agent)
 
-    with pytest.raises(JobFailed, match=r"update of mid \(wave \d, on cuda:\d\): out of memory"):
+    with pytest.raises(RuntimeError, match="out of memory") as e:  # the job's own exception
         run_stage(p, "update", job)
+    assert re.fullmatch(r"update of mid \(wave \d, on cuda:\d\)", e.value.__notes__[0])
     assert sorted(finished) == ["large", "small"]
 
 
@@ -203,4 +205,19 @@ def test_stage_devices_tags_and_gpu_routing_follow_the_plan():
     g = config.from_dict(config.compose(["resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"]))
     assert stage_devices(g, "generate-rollouts") == ("cuda:0", "cuda:1")
     assert device_tags(stage_devices(g, "evaluate")) == ["device:cuda:0", "device:cuda:1"]
-    assert gpu_stages(g) == ("generate-rollouts", "update-policies", "evaluate")
+    assert gpu_stages(g) == ("evaluate-warmup", "generate-rollouts", "update-policies", "evaluate")
+
+
+def test_device_env_translates_through_the_stage_process_view_and_hides_gpus_from_cpu_jobs(monkeypatch):
+    from hacrl.resources import device_env, job_cores
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert device_env(("cuda:1", "cuda:3")) == {"CUDA_VISIBLE_DEVICES": "1,3"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a GPU worker given 4 of 8 GPUs
+    assert device_env(("cuda:1", "cuda:3")) == {"CUDA_VISIBLE_DEVICES": "5,7"}
+    assert device_env(("cpu",)) == {"CUDA_VISIBLE_DEVICES": ""}
+    cpu = res({"devices": [{"id": "cpu:0"}, {"id": "cpu:1"}]})
+    p = plan(cpu, AGENTS)
+    cores = {j.agent: job_cores(cpu, j, 8) for j in p.waves[0].jobs}
+    assert sorted(cores.values()) == [(0, 4), (4, 4)]  # disjoint cores for the jobs of one wave
+    assert job_cores(res({"devices": gpus(1)}), plan(res({"devices": gpus(1)}), AGENTS).waves[0].jobs[0], 8) is None

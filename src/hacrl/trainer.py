@@ -201,7 +201,10 @@ class PolicyOptimizer:
         _, ws = world()
         saved = json.loads((state_dir / WORLD_FILE).read_text()) if (state_dir / WORLD_FILE).exists() else None
         saved_ws = saved["world_size"] if saved else 1
-        saved_zero = int(saved.get("zero_stage", 0)) if saved else 0
+        if saved and "zero_stage" in saved:
+            saved_zero = int(saved["zero_stage"])
+        else:  # a state from before the stage was recorded: ZeRO 1-2 leave partitioned optimizer files
+            saved_zero = 1 if any((state_dir / "state").glob("zero_pp_rank_*")) else 0
         zero_moved = (saved_zero > 0) != (self.cfg.zero_stage > 0)  # ZeRO 1 and 2 share one format
         if (state_dir / "state").is_dir() and ((saved_ws != ws and self.cfg.zero_stage > 0) or zero_moved):
             counter = saved["updates"] if saved else 0

@@ -68,11 +68,17 @@ class VLLMEngine:
         if not Path(self.python).exists():
             raise EngineError(f"rollout.engine=vllm: no vLLM environment at {self.python} (run `make setup-vllm`)")
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="hacrl-vllm-", suffix=".log")[1])
+            fd, name = tempfile.mkstemp(prefix="hacrl-vllm-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(max(1, int(self.kv_cache_gib))),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{max(0, self.threads - 1)}", OMP_NUM_THREADS=str(self.threads),
-                   TOKENIZERS_PARALLELISM="false", **self.extra_env)
+                   TOKENIZERS_PARALLELISM="false",
+                   # the worker asks torch whether CUDA exists before vLLM forks its engine
+                   # process: through NVML, so that CUDA itself is not initialised in the parent
+                   PYTORCH_NVML_BASED_CUDA_CHECK="1")
+        env.update(self.extra_env)  # the MWRA job's devices and cores
         for k in ("PYTHONPATH", "VIRTUAL_ENV"):  # the project's environment must not leak into vLLM's
             env.pop(k, None)
         self._log = open(self.log_path, "a")
@@ -80,13 +86,20 @@ class VLLMEngine:
         self.proc = subprocess.Popen([self.python, str(Path(__file__).with_name("vllm_worker.py"))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, env=env, start_new_session=True)
+        try:
+            self._load()
+        except BaseException:
+            self.close(force=True)  # a worker whose load failed must not linger
+            raise
+        self.asleep = False
+        return time.time() - t0
+
+    def _load(self) -> None:
         self._call({"cmd": "load", "model": self.model_dir, "dtype": self.dtype,
                     "max_model_len": self.max_model_len, "seed": self.seed,
                     "gpu_memory_utilization": self.gpu_memory_utilization,
                     "tensor_parallel_size": self.tensor_parallel_size,
                     "max_num_batched_tokens": self.max_num_batched_tokens, "sleep_mode": self.sleep_mode})
-        self.asleep = False
-        return time.time() - t0
 
     def _tail(self) -> str:
         try:
@@ -176,6 +189,8 @@ class VLLMEngine:
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
         import random
 
+        if self.asleep or self.proc is None:  # released by an MWRA plan: serve again first
+            self.wake()
         tok = self.tokenizer
         enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         rng = random.Random(params.seed)  # one sampling seed per prompt: reproducible for a given prompt list
