@@ -50,7 +50,6 @@ def test_smollm2_pool_through_the_stages_with_both_engines(tmp_path):
         for a in ("smollm2-135m", "qwen2-embedded"):
             assert lay.checkpoint(1, a).is_dir()
 
-        pytest.importorskip("hacrl.vllm_engine")
         if not stages.vllm_python(hf.engines.vllm_python).exists():
             if os.environ.get("HACRL_REQUIRE_VLLM") == "1":
                 pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")

@@ -28,11 +28,9 @@ if not PYTHON.exists():
 LOGPROB_TOL = 1e-4
 
 
-def _model(tmp, tiny_problems, tied: bool, seed: int = 0):
+def _model(tmp, tiny_problems, tied: bool):
     """A llama of head_dim 32 (vLLM's CPU attention refuses 16 and 24), saved with its
     tokenizer; weights at a wide init so greedy choices are not near-ties."""
-    import torch
-
     from hacrl.config import AgentConfig, TokenizerConfig
     from hacrl.data import completion_text
     from hacrl.pool import build_model, train_tokenizer
@@ -49,7 +47,6 @@ def _model(tmp, tiny_problems, tied: bool, seed: int = 0):
     if tied:
         model.config.tie_word_embeddings = True
         model.tie_weights()
-    torch.manual_seed(seed)
     d = tmp / ("tied" if tied else "untied")
     model.save_pretrained(d)
     tok.save_pretrained(d)
