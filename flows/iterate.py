@@ -24,6 +24,7 @@ from prefect import flow, get_run_logger, runtime  # noqa: E402
 from hacrl import config as config_mod  # noqa: E402
 from hacrl.orchestration import (ITERATION_STAGES, PREPARE_STAGES, device_tags,  # noqa: E402
                                  gpu_stages, plan_iteration, stage_devices, stage_id, workspace_lock)
+from hacrl.resources import plan_for  # noqa: E402
 from tasks.stages import dvc_stage, ensure_device_limits, gpu_stage  # noqa: E402
 
 
@@ -63,7 +64,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         retry = {"retries": o.retries, "retry_delay_seconds": o.retry_delay_s}
         # MWRA: each stage task is tagged with the devices its jobs hold (one slot per device),
         # and a stage with jobs on GPUs goes to the GPU pool
-        tags = {s: device_tags(stage_devices(cfg, s)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
+        rplan = plan_for(cfg)
+        tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
         ensure_device_limits(sorted({x for v in tags.values() for x in v}))
         on_gpu = gpu_stages(cfg)
         done: dict[str, str] = {}

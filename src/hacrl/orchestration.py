@@ -42,14 +42,15 @@ PLAN_KIND = {"generate-rollouts": "rollout", "evaluate": "rollout", "evaluate-wa
 """Which MWRA jobs a stage carries out (evaluation generates where the agent's rollouts do)."""
 
 
-def stage_devices(cfg, stage: str) -> tuple[str, ...]:
-    """The devices the MWRA plan gives ``stage``'s jobs (none for a stage without a device job)."""
-    from hacrl.resources import plan
+def stage_devices(cfg, stage: str, p=None) -> tuple[str, ...]:
+    """The devices the MWRA plan (``p``, else the config's) gives ``stage``'s jobs (none for a
+    stage without a device job)."""
+    from hacrl.resources import plan_for
 
     kind = PLAN_KIND.get(stage.split("@", 1)[0])
     if kind is None:
         return ()
-    p = plan(cfg.resources, [a.name for a in cfg.agents])
+    p = p or plan_for(cfg)
     ids = [d.id for d in cfg.resources.devices]
     return tuple(sorted({d for j in p.jobs(kind) for d in j.devices}, key=ids.index))
 
@@ -64,8 +65,11 @@ def device_tags(devices: tuple[str, ...]) -> list[str]:
 def gpu_stages(cfg) -> tuple[str, ...]:
     """Stages routed to the GPU work pool: the update always (as before), and every stage whose
     jobs the plan puts on a GPU (evaluate-warmup included)."""
+    from hacrl.resources import plan_for
+
+    p = plan_for(cfg)
     return tuple(s for s in (*PREPARE_STAGES, *ITERATION_STAGES)
-                 if s in GPU_STAGES or any(d.startswith("cuda:") for d in stage_devices(cfg, s)))
+                 if s in GPU_STAGES or any(d.startswith("cuda:") for d in stage_devices(cfg, s, p)))
 
 
 class StageFailed(RuntimeError):

@@ -17,7 +17,6 @@ Pure Python: no torch, no Prefect; the orchestrator and the stages read the plan
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -163,6 +162,11 @@ def _place(d: StageResources, cap: dict[str, float], busy: set[str], load: dict[
     return tuple(sorted(free[:n], key=list(cap).index))
 
 
+def plan_for(cfg) -> ResourcePlan:
+    """The plan of a whole config: its pool on its declared inventory."""
+    return plan(cfg.resources, [a.name for a in cfg.agents])
+
+
 def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
     """Place every agent's rollout and update on the inventory, in as few waves as fit.
 
@@ -297,7 +301,3 @@ def run_stage(p: ResourcePlan, stage: str, run_job: Callable[[Job], T],
             results[agent] = f.result()
     return results
 
-
-SERIAL = threading.Lock()
-"""Held by jobs that must not overlap inside one process (transformers' generate seeds torch's
-global generator per batch, so two at once would interleave their random streams)."""

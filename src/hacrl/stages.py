@@ -183,7 +183,7 @@ def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = 
     if live is not None and ac.name in live:
         sync = live[ac.name].reload(model_dir)
         return live[ac.name], {"engine_sync_s": round(sync["seconds"], 2), "engine_sync_restart": int(sync["mode"] == "restart")}
-    from hacrl.resources import device_env, job_cores, on_gpus
+    from hacrl.resources import on_gpus
 
     e = cfg.engines
     max_len = e.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings", 4096)))
@@ -194,7 +194,7 @@ def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = 
                         kv_cache_gib=e.vllm_kv_cache_gib, timeout_s=e.vllm_timeout_s,
                         gpu_memory_utilization=e.vllm_gpu_memory_utilization,
                         tensor_parallel_size=len(job.devices) if gpus else 1,
-                        env=_worker_env(cfg, job, job_cores),
+                        env=_worker_env(cfg, job),
                         max_num_batched_tokens=job.max_batch_tokens if job is not None else 0,
                         sleep_mode=gpus and cfg.resources.engine_release == "sleep")
     if live is not None:
@@ -202,9 +202,9 @@ def rollout_engine(cfg: Config, ac, agent, model_dir: Path, live: dict | None = 
     return engine, {"engine_startup_s": round(engine.startup_s, 2)}
 
 
-def _worker_env(cfg: Config, job, job_cores) -> dict | None:
+def _worker_env(cfg: Config, job) -> dict | None:
     """A vLLM worker's share of the machine: its GPUs, or on ``cpu:N`` shares its own cores."""
-    from hacrl.resources import device_env
+    from hacrl.resources import device_env, job_cores
 
     if job is None:
         return None
@@ -240,6 +240,10 @@ def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: in
     return {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max()), "logprob_gap_tokens": int(d.numel())}
 
 
+SERIAL = threading.Lock()
+"""Held by in-process jobs that must not overlap (transformers' generate seeds torch's global
+generator per batch, so two at once would interleave their random streams)."""
+
 LOADING = threading.Lock()
 """Agents of one wave load one at a time: transformers' lazy imports are not thread-safe (seen
 here: "cannot import name 'AutoModelForCausalLM'" when two rollout jobs started at once)."""
@@ -256,9 +260,9 @@ def place(agent, job):
 
 def resource_plan(cfg: Config):
     """The MWRA plan of the pool on the declared inventory (``resources``; docs/SCALING.md)."""
-    from hacrl.resources import plan
+    from hacrl.resources import plan_for
 
-    return plan(cfg.resources, [a.name for a in cfg.agents])
+    return plan_for(cfg)
 
 
 def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> dict:
@@ -271,7 +275,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> dict:
     from hacrl.engines import SamplingParams
     from hacrl.experience import rollout_records, write_records
     from hacrl.pool import load_agent
-    from hacrl.resources import SERIAL, job_threads, run_stage
+    from hacrl.resources import job_threads, run_stage
 
     _set_threads(cfg)
     lay = _layout(cfg)
