@@ -26,11 +26,15 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hacrl.config import ConfigError
+from hacrl.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:  # config validation reads the registry only; the tensor functions import torch when first run
+    torch = lazy_module("torch", globals())
 
 
 @dataclass(frozen=True)
