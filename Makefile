@@ -44,6 +44,7 @@ params: setup
 
 run: params
 	$(BIN)/dvc repro
+	@$(BIN)/hacrl track
 	@echo "Report: $(CURDIR)/reports/README.md (summary: reports/summary.json, plots: reports/*.png)"
 
 # Prefect server + work pools + deployments + worker, MLflow UI (127.0.0.1); writes .services.env

@@ -90,6 +90,11 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         if t == plan.configured:
             done["report"] = dvc_stage.with_options(name="report", task_run_name="report", **retry)(
                 str(project), "report")
+        if cfg.tracking.enabled:  # the stages' queued MLflow records, logged before the run ends
+            from hacrl import track_queue
+
+            n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=o.lock_timeout_s)
+            logger.info("MLflow: %d stage records logged by this flow run", n)
     logger.info("iteration %d done: %s", t, done)
     return {"iteration": t, "configured": plan.configured, "extended": plan.extended, "stages": done}
 

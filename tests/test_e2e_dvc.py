@@ -98,6 +98,10 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     """`dvc repro` alone logged the lineage: walk it from the last evaluate run."""
     from mlflow.tracking import MlflowClient
 
+    # the stages queued their records; `hacrl track` (what `make run` ends with) waits for them
+    out = _run([sys.executable, "-m", "hacrl.cli", "track"], repo).stdout
+    assert "0 still queued" in out, out
+    assert not list((repo / "runs" / ".tracking" / "queue").glob("*.json"))
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke").experiment_id
     evals = client.search_runs([exp], "tags.`hacrl.stage` = 'evaluate'", order_by=["attributes.start_time DESC"])

@@ -69,11 +69,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
         result = STAGES[args.name](cfg, t)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            tracking.log_stage(cfg, args.name, t, None, time.time() - t0, error=e)
+            tracking.log_stage(cfg, args.name, t, None, time.time() - t0, error=e, started=t0)
         raise
     wall = time.time() - t0
     log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, wall)
-    tracking.log_stage(cfg, args.name, t, result, wall)
+    tracking.log_stage(cfg, args.name, t, result, wall, started=t0)
     if args.print_result:
         print(json.dumps(result, indent=2, default=str))
     return 0
@@ -87,6 +87,23 @@ def _injected_fault(stage: str, t: int) -> None:
     spec = os.environ.get("HACRL_FAULT", "")
     if spec == f"raise:{stage}@it{t}":
         raise InjectedFault(f"injected fault in {stage}@it{t} (HACRL_FAULT={spec})")
+
+
+def cmd_track(args: argparse.Namespace) -> int:
+    """Log the stage records still queued for MLflow, after any flusher still at work."""
+    from hacrl import config as config_mod
+    from hacrl import track_queue
+
+    cfg = config_mod.load(args.params)
+    if not cfg.tracking.enabled:
+        return 0
+    project = Path(".").resolve()
+    n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=args.timeout)
+    left = track_queue.pending(project, cfg.experiment.runs_dir)
+    failed = sorted((project / cfg.experiment.runs_dir / ".tracking" / "queue" / "failed").glob("*.json"))
+    print(f"MLflow: {n} stage records logged now, {len(left)} still queued"
+          + (f", {len(failed)} refused (see {cfg.experiment.runs_dir}/.tracking/flush.log)" if failed else ""))
+    return 1 if left else 0
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -130,6 +147,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
                     resume=args.resume)
     print(f"report: {out / 'README.md'}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hacrl.bench import SUITES
+    from hacrl.bench.runner import SIZES, run_suite
+    from hacrl.config import ConfigError
+
+    if args.suite != "all" and args.suite not in SUITES:
+        raise ConfigError(f"bench: unknown suite {args.suite!r} (choose from all, {', '.join(SUITES)})")
+    if args.size not in SIZES:
+        raise ConfigError(f"bench --size: unknown size {args.size!r} (choose from {', '.join(SIZES)})")
+    run_suite(args.suite, args.size, args.reps, Path(args.out))
     return 0
 
 
@@ -183,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")
     s.set_defaults(fn=cmd_stage)
+    tr = sub.add_parser("track", help="wait until every finished stage is logged to MLflow "
+                                      "(stages queue their records; a background process logs them)")
+    tr.add_argument("--params", default=None)
+    tr.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running flusher")
+    tr.set_defaults(fn=cmd_track)
     al = sub.add_parser("algorithms", help="list the algorithm presets, estimators and losses with their options")
     al.set_defaults(fn=cmd_algorithms)
     r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
@@ -201,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
     cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
     cp.set_defaults(fn=cmd_compare)
+    b = sub.add_parser("bench", help="benchmark a stage against what users would run instead; "
+                                     "writes reports/bench/SUITE.json and .md")
+    b.add_argument("suite", help="all, rollout, update, verify, evaluate, align or pipeline")
+    b.add_argument("--size", default="full", help="full (minutes per suite) or smoke (seconds, for CI)")
+    b.add_argument("--reps", type=int, default=None, help="measured rounds after the warm-up (default: per suite)")
+    b.add_argument("--out", default="reports/bench")
+    b.set_defaults(fn=cmd_bench)
     sv = sub.add_parser("serve", help="start Prefect (server, pools, deployments, workers) and the MLflow UI")
     sv.add_argument("--project", default=".")
     sv.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)),

@@ -304,6 +304,11 @@ class TrackingConfig:
     """Where a new experiment keeps its artifacts (relative to the project)."""
     register_models: bool = True
     """Register every agent's checkpoint as a model version (pointing at the DVC-tracked directory)."""
+    asynchronous: bool = True
+    """A stage process queues its record (``runs/.tracking/queue/``) and a background process logs
+    it to MLflow, so importing MLflow and its store (about 3 s per process) is off the critical
+    path; ``hacrl track`` (run by ``make run`` and at the end of each Prefect flow run) waits
+    until the queue is logged. False: the stage logs before it exits."""
 
 
 @dataclass

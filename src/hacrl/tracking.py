@@ -110,17 +110,20 @@ def _numbers(d: dict, keys: tuple[str, ...] | None = None) -> dict[str, float]:
 class Tracker:
     """Logs one stage execution to MLflow; see the module docstring for the run structure."""
 
-    def __init__(self, cfg: Config, project_dir: str | os.PathLike = ".") -> None:
+    def __init__(self, cfg: Config, project_dir: str | os.PathLike = ".", commit: str | None = None,
+                 flow_run_id: str | None = None, uri: str | None = None) -> None:
+        """``commit``, ``flow_run_id``, ``uri``: as they were when the stage ran (a queued record
+        is logged later, maybe after a commit or from another shell); default: as they are now."""
         from mlflow.tracking import MlflowClient
 
         self.cfg = cfg
         self.project = Path(project_dir).resolve()
-        self.uri = tracking_uri(cfg, self.project)
+        self.uri = uri or tracking_uri(cfg, self.project)
         self.client = MlflowClient(self.uri)
         self.layout = RunLayout(self.project / cfg.experiment.runs_dir)
         self.experiment_id = self._experiment()
-        self.commit = git_commit(self.project)
-        self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "")
+        self.commit = git_commit(self.project) if commit is None else commit
+        self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "") if flow_run_id is None else flow_run_id
         self._agent_runs: dict[tuple[str, str], str] = {}  # one search per agent, not per metric
 
     # ------------------------------------------------------------------ runs
@@ -148,7 +151,7 @@ class Tracker:
     def _pointer(self, t: int) -> Path:
         return self.layout.runs / ".tracking" / f"it{t}.json"
 
-    def iteration_run(self, t: int, reuse_finished: bool = False) -> str:
+    def iteration_run(self, t: int, reuse_finished: bool = False, start_ms: int | None = None) -> str:
         """The open MLflow run of iteration t, created (with the config as params) if none is open.
 
         A finished iteration whose stages run again (a changed param, a forced rerun) gets a new
@@ -166,7 +169,7 @@ class Tracker:
         tags = {**self._base_tags(t), "mlflow.runName": f"it{t}", "hacrl.kind": "iteration"}
         if previous:
             tags["hacrl.supersedes"] = previous
-        run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
         params = flatten(dataclasses.asdict(self.cfg))
         self._log_params(run_id, params)
         write_json(ptr, {"run_id": run_id, "experiment_id": self.experiment_id})
@@ -179,10 +182,11 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i:i + 100])
 
-    def _child(self, parent: str, name: str, t: int, kind: str, extra: dict | None = None) -> str:
+    def _child(self, parent: str, name: str, t: int, kind: str, extra: dict | None = None,
+               start_ms: int | None = None) -> str:
         tags = {**self._base_tags(t), "mlflow.runName": name, "mlflow.parentRunId": parent,
                 "hacrl.kind": kind, **(extra or {})}
-        return self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        return self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
 
     def agent_run(self, parent: str, t: int, agent: str) -> str:
         """The nested run of ``agent`` under iteration run ``parent`` (created once)."""
@@ -224,25 +228,28 @@ class Tracker:
             self.client.log_inputs(run_id, datasets=inputs)
 
     # ------------------------------------------------------------------ stages
-    def log_stage(self, stage: str, t: int, result: Any, wall_s: float, error: BaseException | None = None) -> str:
-        """Record one execution of ``stage`` for iteration ``t`` (``result``: the stage's return)."""
+    def log_stage(self, stage: str, t: int, result: Any, wall_s: float, error: str | None = None,
+                  start_ms: int | None = None, end_ms: int | None = None) -> str:
+        """Record one execution of ``stage`` for iteration ``t`` (``result``: the stage's return;
+        ``error``: ``"Type: message"`` of a failed one; ``start_ms``/``end_ms``: the stage's own
+        wall-clock times, default now)."""
         if stage == "report":
             t = self.cfg.experiment.iterations
-        parent = self.iteration_run(t, reuse_finished=stage == "report")
-        run_id = self._child(parent, f"{stage}@it{t}", t, "stage", {"hacrl.stage": stage})
+        parent = self.iteration_run(t, reuse_finished=stage == "report", start_ms=start_ms)
+        run_id = self._child(parent, f"{stage}@it{t}", t, "stage", {"hacrl.stage": stage}, start_ms=start_ms)
         self._metrics(run_id, {"stage_wall_s": wall_s}, t)
         if error is not None:
-            self.client.set_tag(run_id, "hacrl.error", f"{type(error).__name__}: {error}"[:5000])
-            self.client.set_terminated(run_id, "FAILED")
+            self.client.set_tag(run_id, "hacrl.error", str(error)[:5000])
+            self.client.set_terminated(run_id, "FAILED", end_time=end_ms)
             return run_id
         handler = getattr(self, "_on_" + stage.replace("-", "_"), None)
         if handler is not None:
             handler(parent, run_id, t, result if isinstance(result, dict) else {})
-        self.client.set_terminated(run_id, "FINISHED")
+        self.client.set_terminated(run_id, "FINISHED", end_time=end_ms)
         if stage == "evaluate":  # the iteration is complete: close it and its agent runs
             for a in self.cfg.agents:
-                self.client.set_terminated(self.agent_run(parent, t, a.name), "FINISHED")
-            self.client.set_terminated(parent, "FINISHED")
+                self.client.set_terminated(self.agent_run(parent, t, a.name), "FINISHED", end_time=end_ms)
+            self.client.set_terminated(parent, "FINISHED", end_time=end_ms)
         return run_id
 
     def _per_agent(self, parent: str, run_id: str, t: int, values: dict[str, dict[str, float]],
@@ -373,11 +380,28 @@ class Tracker:
 
 
 def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
-              error: BaseException | None = None, project_dir: str | os.PathLike = ".") -> None:
-    """Log a stage execution; a tracking failure is a warning, never a failed stage."""
+              error: BaseException | None = None, project_dir: str | os.PathLike = ".",
+              started: float | None = None) -> None:
+    """Log a stage execution; a tracking failure is a warning, never a failed stage.
+
+    With ``tracking.asynchronous`` (the default) the record is queued and a background process
+    logs it (:mod:`hacrl.track_queue`); otherwise it is logged before this returns.
+    """
     if not cfg.tracking.enabled:
         return
+    import time
+
+    ended = time.time()
+    started = ended - wall_s if started is None else started
     try:
-        Tracker(cfg, project_dir).log_stage(stage, t, result, wall_s, error)
+        if cfg.tracking.asynchronous:
+            from hacrl import track_queue
+
+            track_queue.enqueue(cfg, Path(project_dir), stage, t, result, wall_s, error, started, ended)
+            track_queue.start_flusher(cfg, Path(project_dir))
+            return
+        Tracker(cfg, project_dir).log_stage(stage, t, result, wall_s,
+                                            f"{type(error).__name__}: {error}" if error is not None else None,
+                                            start_ms=int(started * 1000), end_ms=int(ended * 1000))
     except Exception as e:  # lineage must not cost a finished stage its result
         log.warning("MLflow tracking failed for %s@it%d: %s: %s", stage, t, type(e).__name__, e)

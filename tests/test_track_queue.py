@@ -1,0 +1,73 @@
+"""Stage records reach MLflow through the queue: the stage process never imports MLflow, a
+background flusher logs the record with the stage's own times, `hacrl track` waits for it, and
+a record MLflow refuses is set aside without blocking the others."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import SMOKE
+
+from hacrl import config as config_mod
+from hacrl import track_queue
+
+
+def _cfg(tmp_path: Path):
+    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+    cfg.tracking.uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return cfg
+
+
+def test_a_stage_queues_its_record_without_importing_mlflow_and_track_logs_it(tmp_path):
+    code = f"""
+import sys, time
+from hacrl import config as config_mod, tracking
+from conftest import SMOKE
+cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+cfg.tracking.uri = "sqlite:///{tmp_path / 'mlflow.db'}"
+tracking.log_stage(cfg, "compute-capability-stats", 1, {{"p_hat": {{"gpt2-a": 0.25}}}}, 1.5,
+                   project_dir="{tmp_path}", started=1000.0)
+assert "mlflow" not in sys.modules, "the stage process imported mlflow"
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+    cfg = _cfg(tmp_path)
+    # the detached flusher may have logged it already; flush waits for it and logs any leftovers
+    track_queue.flush(tmp_path, cfg.experiment.runs_dir, timeout_s=120)
+    assert track_queue.pending(tmp_path, cfg.experiment.runs_dir) == []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.experiment.name)
+    runs = client.search_runs([exp.experiment_id], "tags.`hacrl.stage` = 'compute-capability-stats'")
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.data.metrics["p_hat/gpt2-a"] == 0.25 and r.data.metrics["stage_wall_s"] == 1.5
+    # the stage's own times, not the flusher's
+    assert r.info.start_time == 1000_000 and r.info.status == "FINISHED"
+
+
+def test_a_refused_record_is_set_aside_and_the_rest_are_logged(tmp_path):
+    cfg = _cfg(tmp_path)
+    now = time.time()
+    bad = track_queue.enqueue(cfg, tmp_path, "evaluate", 1, {}, 1.0, None, now, now)
+    rec = json.loads(bad.read_text())
+    rec["config"]["trainer"]["lr"] = -1.0  # a config that no longer validates
+    bad.write_text(json.dumps(rec))
+    track_queue.enqueue(cfg, tmp_path, "verify-rewards", 1, {"gpt2-a": {"reward_mean": 0.5, "verdicts": {"correct": 1}}},
+                        2.0, RuntimeError("boom"), now, now + 2)
+    assert track_queue.flush(tmp_path, cfg.experiment.runs_dir, timeout_s=60) == 1
+    q = tmp_path / cfg.experiment.runs_dir / ".tracking" / "queue"
+    assert [p.name for p in (q / "failed").glob("*.json")] == [bad.name]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.experiment.name)
+    (run,) = client.search_runs([exp.experiment_id], "tags.`hacrl.stage` = 'verify-rewards'")
+    assert run.info.status == "FAILED" and run.data.tags["hacrl.error"] == "RuntimeError: boom"
+    assert run.info.end_time - run.info.start_time == 2000
