@@ -20,7 +20,7 @@ from hacrl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Sh
 from hacrl.config import Config
 from hacrl.experience import pooled_reward_stats
 from hacrl.pool import Agent
-from hacrl.scoring import pack, token_logprobs
+from hacrl.scoring import pack, response_span, token_logprobs
 from hacrl.trainer import PolicyOptimizer, seed_rng, world
 
 log = logging.getLogger(__name__)
@@ -287,20 +287,47 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     model = opt.model
     model.eval()  # no dropout in RL updates; gradients still flow
 
-    # old log-probs: the trainer's own forward before any update (verl's "recompute"), so the
-    # first mini-batch's ratio is exactly 1; the generation log-probs are compared against it
-    # (peers' generation log-probs are in another tokenizer's tokens: the learner's recomputed
-    # snapshot is their old policy)
-    old, gen_gap = [], 0.0
+    # old log-probs (pi_old): the policy before the step's first update. ``recompute_old_logprobs``
+    # (verl's "recompute"): the trainer's own forward for every sample, so the first update's
+    # ratio is exactly 1. The first mini-batch's pi_old is then its first training forward,
+    # detached (the same bits as a no-grad pass, measured in tests/test_update_speed.py), so the
+    # no-grad pass covers the other mini-batches only. Off: own samples of an engine whose
+    # generation log-probs are the trainer's (transformers) keep them; rows that are not
+    # (cross samples, in another tokenizer's tokens; vLLM's kernels) are still recomputed. Either
+    # way the generation log-probs are compared with the trainer's where both exist.
+    exact_engine = cfg.rollout.engine == "hf"
+    spans = [response_span(resp) for _, _, _, resp, _, _ in packed]
+    old: list[torch.Tensor | None] = [None] * len(packed)
+    gen_gap = 0.0
+
+    def gap(lp: torch.Tensor, m: int) -> float:
+        idx, _, _, resp, gen_lp, _ = packed[m]
+        self_mask = resp * is_self_all[idx][:, None]
+        return float(((lp - gen_lp).abs() * self_mask).max()) if bool(self_mask.any()) else 0.0
+
+    def needs_pass(m: int) -> bool:
+        if ref_model is not None:  # kl_init_before_step reads every mini-batch's pi_old up front
+            return True
+        if m == 0 and tc.epochs >= 1:  # its first training forward is pi_old
+            return False
+        idx = packed[m][0]
+        return tc.recompute_old_logprobs or not exact_engine or not bool(is_self_all[idx].all())
+
+    recomputed = 0
     with torch.no_grad():
-        for idx, ids, attn, resp, gen_lp, _ in packed:
-            lp = token_logprobs(model, ids, attn, cfg.rollout.temperature)
-            self_mask = resp * is_self_all[idx][:, None]
-            gen_gap = max(gen_gap, float(((lp - gen_lp).abs() * self_mask).max()))
-            old.append(lp if tc.recompute_old_logprobs else torch.where(self_mask.bool(), gen_lp, lp))
+        for m, (idx, ids, attn, resp, gen_lp, _) in enumerate(packed):
+            if needs_pass(m):
+                lp = token_logprobs(model, ids, attn, cfg.rollout.temperature, span=spans[m])
+                recomputed += len(idx)
+                gen_gap = max(gen_gap, gap(lp, m))
+                keep_gen = not tc.recompute_old_logprobs and exact_engine
+                old[m] = torch.where((resp * is_self_all[idx][:, None]).bool(), gen_lp, lp) if keep_gen else lp
+            elif m > 0:  # own samples of an exact engine
+                old[m] = gen_lp
         ref = []
         if ref_model is not None:
-            ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature) for _, ids, attn, *_ in packed]
+            ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature, span=spans[m])
+                   for m, (_, ids, attn, *_) in enumerate(packed)]
         kl_before = kl_old_to_ref(packed, old, ref, is_self_all, shard) if ref else None
 
     logs, loss_metrics, samples = [], {}, []
@@ -311,8 +338,13 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         if epoch > 0 and a.minibatch_order == "prompt_groups":
             rng.shuffle(order)
         for m in order:
-            idx, ids, attn, resp, _, behavior = packed[m]
-            logp, ent = token_logprobs(model, ids, attn, cfg.rollout.temperature, with_entropy=True)
+            idx, ids, attn, resp, gen_lp, behavior = packed[m]
+            logp, ent = token_logprobs(model, ids, attn, cfg.rollout.temperature, with_entropy=True, span=spans[m])
+            if old[m] is None:  # the first mini-batch, before any update: this forward is pi_old
+                lp0 = logp.detach()
+                gen_gap = max(gen_gap, gap(lp0, m))
+                sm = (resp * is_self_all[idx][:, None]).bool()
+                old[m] = lp0 if tc.recompute_old_logprobs or not exact_engine else torch.where(sm, gen_lp, lp0)
             sf = is_self_all[idx]
             loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m], mask=resp, advantages=adv[idx],
                                            is_self=sf, omega_src=omega_src[idx], behavior_logp=behavior,
@@ -373,5 +405,6 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "cross_samples": int((~is_self_all).sum()),
             **({"rows_dropped_by_loss": offered - len(batch)} if loss_reg.rows is not None else {}),
-            "gen_vs_train_logprob_maxdiff": gen_gap, "seconds": round(secs, 2),
+            "gen_vs_train_logprob_maxdiff": gen_gap, "old_logprobs_recomputed": recomputed,
+            "seconds": round(secs, 2),
             "tokens_per_s": round(n_tok * tc.epochs / max(secs, 1e-9), 1)}
