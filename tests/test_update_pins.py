@@ -36,8 +36,13 @@ EARLIER = {
 }
 
 
+# the head projected at every position, as when the pins were made: response-only logits give
+# the same log-probs but round the head's weight gradient differently (tests/test_update_speed.py)
+ALL_POSITIONS = ["trainer.response_logits_only=false"]
+
+
 def _cfg(tmp, algo):
-    d = config.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []))
+    d = config.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []) + ALL_POSITIONS)
     d["experiment"]["runs_dir"] = str(tmp / "runs")
     d["experiment"]["reports_dir"] = str(tmp / "reports")
     return config.from_dict(d)

@@ -230,6 +230,11 @@ class TrainerConfig:
     recompute_old_logprobs: bool = True
     """pi_old from the trainer's own forward before the step's first update (as verl does);
     False uses the generation log-probs recorded with the rollouts."""
+    response_logits_only: bool = True
+    """Project the language-model head at response positions only (TRL's ``logits_to_keep``): the
+    prompt positions' logits, most of an update's memory with a real vocabulary, are never made.
+    Log-probs are the same bits; the head's weight gradient sums over fewer rows, so it agrees with
+    ``false`` (the earlier behaviour) to float rounding, not bit for bit."""
     measure_kl_to_init: bool = False
     """Also measure KL(pi_old || pi_0), the policy that generated the step's rollouts against the
     initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL

@@ -296,7 +296,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     # (cross samples, in another tokenizer's tokens; vLLM's kernels) are still recomputed. Either
     # way the generation log-probs are compared with the trainer's where both exist.
     exact_engine = cfg.rollout.engine == "hf"
-    spans = [response_span(resp) for _, _, _, resp, _, _ in packed]
+    spans = [response_span(resp) if tc.response_logits_only else None for _, _, _, resp, _, _ in packed]
     old: list[torch.Tensor | None] = [None] * len(packed)
     gen_gap = 0.0
 
