@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OVERRIDES ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm run test test-slow test-all params clean-runs serve stop
+.PHONY: setup setup-vllm setup-bench bench run test test-slow test-all params clean-runs serve stop
 
 setup: $(STAMP)
 
@@ -38,6 +38,14 @@ $(VLLM_VENV)/.hacrl-installed:
 	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_VENV)/bin/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	@touch $@
+
+# TRL, for `hacrl bench update` only (it adds packages, never changes an installed one)
+setup-bench: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
+
+# `make bench`: every suite of `hacrl bench` at its default size (minutes each), after `make run`
+bench: setup-bench
+	$(BIN)/hacrl bench all
 
 params: setup
 	$(BIN)/hacrl config $(OVERRIDES)

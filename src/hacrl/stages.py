@@ -532,14 +532,27 @@ def rescue_accuracy(cfg: Config, agent, verifier, rescued: dict[str, int], t: in
     return out
 
 
+class _SerialVerifier:
+    """A verifier pool shared with a checking thread: every call goes through that thread, so the
+    pool has one caller at a time."""
+
+    def __init__(self, pool, executor):
+        self.pool, self.executor = pool, executor
+
+    def verify(self, pairs, desc: str = "verify") -> list[str]:
+        return self.executor.submit(self.pool.verify, pairs, desc).result()
+
+
 def evaluate(cfg: Config, t: int) -> dict:
     """Greedy pass@1 on the held-out split per agent and level; extends the run history."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pandas as pd
 
     from hacrl.experience import read_records
     from hacrl.pool import load_agent
     from hacrl.rewards import VerifierPool
-    from hacrl.warmup import greedy_accuracy
+    from hacrl.warmup import accuracy, greedy_answers
 
     _set_threads(cfg)
     lay = _layout(cfg)
@@ -547,10 +560,22 @@ def evaluate(cfg: Config, t: int) -> dict:
     update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
     eplan = resource_plan(cfg)  # evaluation generates where the agent's rollouts do
     metrics: dict = {"iteration": t, "agents": {}}
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
+    # an agent's answers are checked (in the verifier's processes, driven from a thread) while the
+    # next agent generates: checking costs about as much as generating here
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver, ThreadPoolExecutor(1) as checks:
+        serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
+        pending, extra = {}, {}
         for ac in cfg.agents:
             agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), eplan.job(ac.name, "rollout"))
-            acc, verdicts = greedy_accuracy(agent, held, ver, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            pending[ac.name] = checks.submit(ver.verify, answers, f"verify {ac.name}")
+            us = update_stats.get(ac.name, {})
+            if t > 0 and us.get("rescued_so_far"):  # SGT: did the rescues stick?
+                extra[ac.name] = rescue_accuracy(cfg, agent, serial, us["rescued_so_far"], t)
+            del agent
+        for ac in cfg.agents:
+            verdicts = pending[ac.name].result()
+            acc = accuracy(verdicts)
             df = pd.DataFrame({"level": [p["level"] for p in held], "ok": [v == "correct" for v in verdicts]})
             m = {"eval_accuracy": acc, "eval_stderr": standard_error(acc, len(held)), "eval_n": len(held),
                  "by_level": {lvl: float(g["ok"].mean()) for lvl, g in df.groupby("level")}}
@@ -564,8 +589,7 @@ def evaluate(cfg: Config, t: int) -> dict:
                 for k in ("kl_to_init", "kl_init_before_step", "trigger_rate", "rescues"):
                     if k in us:
                         m[k] = us[k]
-                if us.get("rescued_so_far"):  # SGT: did the rescues stick?
-                    m.update(rescue_accuracy(cfg, agent, ver, us["rescued_so_far"], t))
+                m.update(extra.get(ac.name, {}))
             metrics["agents"][ac.name] = m
             log.info("eval it%d %s: acc %.3f +- %.3f", t, ac.name, acc, m["eval_stderr"])
     prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}

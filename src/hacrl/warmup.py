@@ -24,15 +24,25 @@ from hacrl.scoring import pack, token_logprobs
 log = logging.getLogger(__name__)
 
 
-def greedy_accuracy(agent: Agent, problems: list[dict], verifier: VerifierPool,
-                    max_new_tokens: int, batch_size: int = 600) -> tuple[float, list[str]]:
-    """Greedy pass@1 through the rollout engine and the verifier; returns (acc, verdicts)."""
+def greedy_answers(agent: Agent, problems: list[dict], max_new_tokens: int,
+                   batch_size: int = 600) -> list[tuple[str, str]]:
+    """Greedy completions through the rollout engine, as (gold, answer) pairs for the verifier."""
     engine = HFEngine(agent.model, agent.tokenizer, batch_size=batch_size, desc=f"eval {agent.name}")
     comps = engine.generate([agent.render(p["problem"]) for p in problems],
                             SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
-    verdicts = verifier.verify([(p["answer"], c.text) for p, c in zip(problems, comps)],
+    return [(p["answer"], c.text) for p, c in zip(problems, comps)]
+
+
+def accuracy(verdicts: list[str]) -> float:
+    return sum(v == CORRECT for v in verdicts) / max(1, len(verdicts))
+
+
+def greedy_accuracy(agent: Agent, problems: list[dict], verifier: VerifierPool,
+                    max_new_tokens: int, batch_size: int = 600) -> tuple[float, list[str]]:
+    """Greedy pass@1 through the rollout engine and the verifier; returns (acc, verdicts)."""
+    verdicts = verifier.verify(greedy_answers(agent, problems, max_new_tokens, batch_size),
                                desc=f"verify {agent.name}")
-    return sum(v == CORRECT for v in verdicts) / max(1, len(verdicts)), verdicts
+    return accuracy(verdicts), verdicts
 
 
 def warm_up(agent: Agent, cfg: WarmupConfig, train: list[dict], dev: list[dict],

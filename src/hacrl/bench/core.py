@@ -71,8 +71,11 @@ class Contender:
     (a number, or a dict with ``units`` plus figures worth reporting, e.g. a logged gap)."""
 
     name: str
-    fn: Callable[[], Any]
+    fn: Callable[..., Any]
     note: str = ""
+    setup: Callable[[], Any] | None = None
+    """Run before each call, untimed; its return value is ``fn``'s argument (e.g. a freshly
+    loaded model that ``fn`` trains)."""
 
 
 @dataclass
@@ -103,11 +106,33 @@ class Measured:
 
 @dataclass
 class Goal:
-    """``contender``'s throughput over ``baseline``'s must be >= ``target``."""
+    """``kind`` ``ratio``: ``contender``'s throughput over ``baseline``'s must be >= ``target``;
+    ``added_s``: its median time may exceed ``baseline``'s by at most ``target`` seconds;
+    ``max_s``: its median time must be <= ``target`` seconds (``baseline`` unused)."""
 
     contender: str
     baseline: str
     target: float
+    kind: str = "ratio"
+
+    def value(self, res: "SuiteResult") -> float:
+        c = res.measured[self.contender]
+        if self.kind == "ratio":
+            return res.ratio(self.contender, self.baseline)
+        if self.kind == "added_s":
+            return c.median_s - res.measured[self.baseline].median_s
+        return c.median_s
+
+    def met(self, res: "SuiteResult") -> bool:
+        v = self.value(res)
+        return v >= self.target if self.kind == "ratio" else v <= self.target
+
+    def describe(self) -> str:
+        if self.kind == "ratio":
+            return f"{self.contender} / {self.baseline} >= {self.target}x"
+        if self.kind == "added_s":
+            return f"{self.contender} - {self.baseline} <= {self.target} s"
+        return f"{self.contender} <= {self.target} s"
 
 
 @dataclass
@@ -120,6 +145,8 @@ class SuiteResult:
     notes: list[str] = field(default_factory=list)
     size: str = "full"
     reps: int = 0
+    baseline: str | None = None
+    """The contender the table's ratio column divides by (default: the last one)."""
 
     def ratio(self, a: str, b: str) -> float:
         return self.measured[a].rate / self.measured[b].rate
@@ -131,8 +158,7 @@ class SuiteResult:
                 "machine": machine(), "work": self.work,
                 "contenders": {k: v.to_dict() for k, v in self.measured.items()},
                 "ratios": ratios,
-                "goals": [{**asdict(g), "ratio": round(self.ratio(g.contender, g.baseline), 3),
-                           "met": self.ratio(g.contender, g.baseline) >= g.target} for g in self.goals],
+                "goals": [{**asdict(g), "value": round(g.value(self), 3), "met": g.met(self)} for g in self.goals],
                 "notes": self.notes}
 
 
@@ -166,10 +192,12 @@ def compare(contenders: list[Contender], reps: int, warmup: bool = True) -> dict
     peak: dict[str, float] = dict.fromkeys(secs, 0.0)
 
     def once(c: Contender) -> float:
+        arg = c.setup() if c.setup is not None else None
         with RssSampler() as rss:
             t0 = time.perf_counter()
-            out = c.fn()
+            out = c.fn(arg) if c.setup is not None else c.fn()
             dt = time.perf_counter() - t0
+        del arg
         peak[c.name] = max(peak[c.name], rss.peak_mib)
         if isinstance(out, dict):
             u = float(out.pop("units"))
@@ -197,7 +225,7 @@ def compare(contenders: list[Contender], reps: int, warmup: bool = True) -> dict
 def table(res: SuiteResult) -> str:
     """A markdown table of the suite (also what the terminal shows)."""
     names = list(res.measured)
-    base = names[-1]
+    base = res.baseline or names[-1]
     lines = [f"## {res.suite} ({res.size}, {res.reps} rounds after a warm-up)", "",
              "Work: " + ", ".join(f"{k}={v}" for k, v in res.work.items()), "",
              f"| contender | median s | min-max s | {res.unit}/s | vs {base} | peak RSS MiB |",
@@ -207,10 +235,11 @@ def table(res: SuiteResult) -> str:
         lines.append(f"| {n} | {m.median_s:.3f} | {min(m.seconds):.3f}-{max(m.seconds):.3f} | {m.rate:.1f} | "
                      f"{res.ratio(n, base):.2f}x | {m.peak_rss_mib:.0f} |")
     if res.goals:
-        lines += ["", "| goal | ratio | target | met |", "|---|---|---|---|"]
+        lines += ["", "| goal | measured | met |", "|---|---|---|"]
         for g in res.goals:
-            r = res.ratio(g.contender, g.baseline)
-            lines.append(f"| {g.contender} / {g.baseline} | {r:.2f}x | >= {g.target}x | {'yes' if r >= g.target else 'NO'} |")
+            v = g.value(res)
+            lines.append(f"| {g.describe()} | {v:.2f}{'x' if g.kind == 'ratio' else ' s'} | "
+                         f"{'yes' if g.met(res) else 'NO'} |")
     notes = [f"- {res.measured[n].name}: {res.measured[n].note}" for n in names if res.measured[n].note] + \
             [f"- {x}" for x in res.notes]
     for n in names:

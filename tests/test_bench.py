@@ -1,0 +1,71 @@
+"""Every ``hacrl bench`` suite end to end at smoke size, through the CLI: the JSON and markdown
+are written, every contender did the same work with a positive rate, and each goal is
+evaluated. (The figures of a smoke run say nothing about speed; ``make bench`` measures.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _bench(suite, out, *extra):
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "--log-level", "WARNING", "bench", suite,
+                        "--size", "smoke", "--reps", "1", "--out", str(out), *extra],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / f"{suite}.json").read_text())
+    assert (out / f"{suite}.md").read_text().startswith(f"## {suite}")
+    assert res["suite"] == suite and res["size"] == "smoke" and res["reps"] == 1
+    assert res["machine"]["cores"] >= 1
+    for name, c in res["contenders"].items():
+        assert c["units_per_s"] > 0 and c["peak_rss_mib"] > 0 and len(c["seconds"]) == 1, name
+    for g in res["goals"]:
+        assert isinstance(g["met"], bool) and g["contender"] in res["contenders"]
+    return res
+
+
+def test_rollout_suite_generates_the_same_tokens_both_ways(tmp_path):
+    res = _bench("rollout", tmp_path)
+    assert res["work"]["same_tokens"] is True
+    assert res["contenders"]["stage"]["units"] == res["contenders"]["bare_generate"]["units"] > 0
+
+
+def test_update_suite_compares_the_stage_with_trl(tmp_path):
+    res = _bench("update", tmp_path)
+    c = res["contenders"]
+    assert c["stage"]["units"] == c["stage_gen_logprobs"]["units"]
+    # the flag's effect is visible: no no-grad pass with generation log-probs kept
+    assert c["stage_gen_logprobs"]["extra"]["old_logprobs_recomputed"] == 0
+    assert c["stage"]["extra"]["old_logprobs_recomputed"] > 0
+    if "trl" in c:  # make setup-bench (CI installs it)
+        assert res["work"]["trl"] == "1.16.0" and c["trl"]["extra"]["updates"] == res["work"]["mini_batches"]
+
+
+def test_evaluate_suite(tmp_path):
+    res = _bench("evaluate", tmp_path)
+    n = res["work"]["heldout"] * len(res["work"]["agents"].split(", "))
+    assert res["contenders"]["stage"]["units"] == res["contenders"]["bare_generate"]["units"] == n
+
+
+def test_align_suite_covers_every_pair_of_different_tokenizers(tmp_path):
+    res = _bench("align", tmp_path)
+    assert res["work"]["pairs"] == 2  # the tiny pool: two agents, two tokenizers
+    assert set(res["contenders"]["retokenize_and_align"]["extra"]["records_per_s_by_pair"]) == \
+        {"gpt2-a->llama-b", "llama-b->gpt2-a"}
+
+
+def test_pipeline_suite_runs_direct_dvc_and_prefect(tmp_path):
+    res = _bench("pipeline", tmp_path)
+    assert set(res["contenders"]) == {"direct", "dvc", "prefect", "stage_process"}
+    assert {(g["contender"], g["kind"]) for g in res["goals"]} == \
+        {("dvc", "added_s"), ("prefect", "added_s"), ("stage_process", "max_s")}
+
+
+def test_unknown_suite_is_one_line():
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "bench", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "unknown suite 'nope'" in p.stderr and "Traceback" not in p.stderr
