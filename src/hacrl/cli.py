@@ -191,14 +191,24 @@ def cmd_resources(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from hacrl import stage_server
     from hacrl.services import stop
 
-    stopped = stop(args.project)
+    stopped = stop(args.project) + (["stage server"] if stage_server.stop() else [])
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and "stage" in sys.argv[1:3]:
+        # a stage started as a process (by dvc repro, Prefect, a shell): fork it from the warm
+        # stage server when there is one (hacrl.stage_server); otherwise run it here, cold
+        from hacrl import stage_server
+
+        if stage_server.enabled():
+            rc = stage_server.run_remote(sys.argv[1:])
+            if rc is not None:
+                return rc
     parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -56,6 +56,42 @@ def _run(args: list[str], ws: Path) -> str:
     return p.stdout
 
 
+_TIMELINE = """
+import json, sys
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+with get_client(sync_client=True) as c:
+    fr = c.read_flow_run(sys.argv[1])
+    trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+    ts = sorted((t.start_time, t.end_time, t.name) for t in trs if t.start_time and t.end_time)
+    print(json.dumps({"created": fr.created.timestamp(), "start": fr.start_time.timestamp(),
+                      "end": fr.end_time.timestamp(),
+                      "tasks": [(a.timestamp(), b.timestamp(), n) for a, b, n in ts]}))
+"""
+
+
+def _prefect_timeline(ws: Path, flow_run_id: str) -> dict:
+    """Where a flow run's time went: waiting to be picked up and started (created -> running),
+    before the first task (planning), in the tasks (each a ``dvc repro``), between them, and after
+    the last one (MLflow flush, completion)."""
+    import json
+
+    try:
+        d = json.loads(_run([sys.executable, "-c", _TIMELINE, flow_run_id], ws))
+    except (RuntimeError, ValueError) as e:
+        log.warning("no timeline for flow run %s: %s", flow_run_id, e)
+        return {}
+    tasks = d["tasks"]
+    if not tasks:
+        return {}
+    in_tasks = sum(b - a for a, b, _ in tasks)
+    return {"pickup_and_start_s": round(d["start"] - d["created"], 2),
+            "planning_s": round(tasks[0][0] - d["start"], 2),
+            "in_tasks_s": round(in_tasks, 2),
+            "between_tasks_s": round(tasks[-1][1] - tasks[0][0] - in_tasks, 2),
+            "after_tasks_s": round(d["end"] - tasks[-1][1], 2)}
+
+
 def scratch_workspace(size: str, ws: Path, project: Path) -> None:
     """A DVC workspace at ``ws`` with iteration 0 done (recorded in its dvc.lock)."""
     from hacrl.bench.workspace import SMOKE
@@ -111,16 +147,21 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
             os.chdir(here)
         return 1
 
-    def dvc() -> int:
+    def dvc() -> dict:
+        secs = {}
         for s in ITERATION_STAGES:
+            t0 = time.perf_counter()
             _run([sys.executable, "-m", "dvc", "repro", "-q", "--force", "--single-item", stage_id(s, t)], ws)
+            secs[s] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
         _run([sys.executable, "-m", "hacrl.cli", "track"], ws)
-        return 1
+        return {"units": 1, "per_stage_s": secs, "hacrl_track_s": round(time.perf_counter() - t0, 2)}
 
-    def prefect() -> int:
-        _run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
-              "--param", f"iteration={t}", "--param", "force=true"], ws)
-        return 1
+    def prefect() -> dict:
+        out = _run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
+                    "--param", f"iteration={t}", "--param", "force=true"], ws)
+        m = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
+        return {"units": 1, **(_prefect_timeline(ws, m.group(1)) if m else {})}
 
     def stage_process() -> int:
         _run([sys.executable, "-m", "hacrl.cli", "stage", "compute-capability-stats", "--iteration", str(t)], ws)

@@ -1,0 +1,97 @@
+"""The warm stage server forks stage processes that behave as cold ones: same artifacts byte
+for byte, same exit code and error line, the client's directory and environment; it refuses
+(the stage then runs cold) once the code changed."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE
+
+from hacrl import stage_server
+
+
+@pytest.fixture()
+def env(tmp_path):
+    # a server of our own: the key covers HF_* variables
+    e = dict(os.environ, HF_HACRL_TEST_KEY=uuid.uuid4().hex, HACRL_LOG_LEVEL="WARNING")
+    e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
+    e.pop("HACRL_STAGE_SERVER", None)
+    yield e
+    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; stage_server.stop()"], env=e)
+
+
+def _sock(env):
+    return Path(subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; print(stage_server.socket_path())"],
+                               env=env, capture_output=True, text=True, check=True).stdout.strip())
+
+
+def _stage(ws, env, *args, **kw):
+    return subprocess.run(["hacrl", "stage", *args], cwd=ws, env={**env, **kw}, capture_output=True, text=True)
+
+
+def _tree(d: Path) -> dict:
+    return {str(f.relative_to(d)): hashlib.md5(f.read_bytes()).hexdigest() for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def _wait_ready(sock: Path, timeout=120):
+    t0 = time.time()
+    while not sock.exists():
+        assert time.time() - t0 < timeout, "the stage server did not come up"
+        time.sleep(0.2)
+
+
+def test_a_served_stage_writes_what_a_cold_one_writes_and_fails_alike(tmp_path, env):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=ws, env=env, check=True,
+                   capture_output=True)
+    cold = _stage(ws, env, "prepare-data", HACRL_STAGE_SERVER="0")
+    assert cold.returncode == 0, cold.stderr
+    ref = _tree(ws / "data")
+    sock = _sock(env)
+    assert not sock.exists()
+    first = _stage(ws, env, "prepare-data")  # no server yet: runs cold and starts one
+    assert first.returncode == 0 and _tree(ws / "data") == ref
+    _wait_ready(sock)
+    warm = _stage(ws, env, "prepare-data")
+    assert warm.returncode == 0, warm.stderr
+    assert _tree(ws / "data") == ref
+    log = sock.with_suffix(".log").read_text()
+    assert f"hacrl stage prepare-data (in {ws})" in log  # it was forked by the server
+    # a failure: same exit code and one-line reason as a cold process
+    bad_cold = _stage(ws, env, "prepare-data", HACRL_STAGE_SERVER="0", HACRL_FAULT="raise:prepare-data@it0")
+    bad_warm = _stage(ws, env, "prepare-data", HACRL_FAULT="raise:prepare-data@it0")
+    assert bad_cold.returncode == bad_warm.returncode != 0
+    assert "injected fault in prepare-data@it0" in bad_warm.stderr
+    assert log.count("hacrl stage prepare-data") < sock.with_suffix(".log").read_text().count("hacrl stage prepare-data")
+    # a config error exits 2 with its one line, served or not
+    cfg_err = _stage(ws, env, "no-such-stage")
+    assert cfg_err.returncode == 2 and "unknown stage 'no-such-stage'" in cfg_err.stderr
+
+
+def test_a_server_whose_code_changed_refuses_and_the_stage_runs_cold(tmp_path, env):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=ws, env=env, check=True,
+                   capture_output=True)
+    sock = _sock(env)
+    _stage(ws, env, "prepare-data")
+    _wait_ready(sock)
+    src = Path(stage_server.__file__).with_name("lazy.py")
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        r = _stage(ws, env, "prepare-data")
+    finally:
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert r.returncode == 0, r.stderr
+    log = sock.with_suffix(".log").read_text()
+    assert "the code changed since this server started: exiting" in log
+    assert "hacrl stage prepare-data" not in log  # it ran cold
