@@ -52,3 +52,94 @@ def test_a_hung_check_is_killed_not_waited_on():
     assert out == [TIMEOUT, CORRECT, TIMEOUT, WRONG]
     assert killed == 2
     assert time.monotonic() - t0 < 20
+
+
+# ----------------------------------------------------------------------------- pipelined pool
+
+def _real_worker(trigger: str, action: str, ready_delay: float = 0.0, ready_file: str = "") -> str:
+    """A worker running the real ``check`` that does ``action`` on the response ``trigger``;
+    it says it is ready ``ready_delay`` s after its imports (noting when in ``ready_file``)."""
+    return (
+        "import sys, json, os, time\n"
+        "from hacrl.rewards import check\n"
+        "import math_verify\n"
+        f"time.sleep({ready_delay})\n"
+        f"if {ready_file!r}:\n"
+        f"    open({ready_file!r}, 'a').write(repr(time.monotonic()) + '\\n')\n"
+        "sys.stdout.write(json.dumps('ready') + '\\n'); sys.stdout.flush()\n"
+        "for line in sys.stdin:\n"
+        "    k, g, r = json.loads(line)\n"
+        f"    if r == {trigger!r}:\n"
+        f"        {action}\n"
+        "    sys.stdout.write(json.dumps([k, check(g, r)]) + '\\n'); sys.stdout.flush()\n"
+    )
+
+
+def test_a_hung_check_is_killed_one_second_after_its_timeout_counted_from_ready(tmp_path):
+    # the worker takes 1.5 s more to get ready; a clock started when the answer was sent would
+    # kill it 2 s after that, before it even began
+    ready = tmp_path / "ready"
+    code = _real_worker("HANG", "time.sleep(3600)", ready_delay=1.5, ready_file=str(ready))
+    with VerifierPool(1, 1.0, worker_code=code, announces_ready=True) as pool:
+        t0 = time.monotonic()
+        assert pool.verify([("1", "HANG")]) == [TIMEOUT]
+        killed_at = time.monotonic()
+        assert pool.hard_limit == 2.0 and pool.killed == 1
+    assert killed_at - t0 > 2.0 + 1.5 - 0.05
+    first_ready = float(ready.read_text().split()[0])  # its replacement notes its own later
+    assert 2.0 - 0.05 <= killed_at - first_ready < 2.0 + 0.3
+
+
+def test_the_other_outstanding_answers_of_a_killed_worker_are_requeued():
+    # one worker, so every answer is in its pipeline when the first hang is killed
+    pairs = [("4", "\\boxed{4}"), ("1", "HANG"), ("\\frac{1}{2}", "\\boxed{0.5}"), ("2", "HANG"),
+             ("5", "\\boxed{6}"), ("7", "nothing here"), ("4", "\\boxed{4}")]
+    with VerifierPool(1, 1.0, worker_code=_real_worker("HANG", "time.sleep(3600)"), announces_ready=True) as pool:
+        assert pool.depth >= len(set(pairs))
+        out = pool.verify(pairs)
+        # all six distinct answers were sent at once; four waited behind the first hang, two behind the second
+        assert (pool.killed, pool.requeued) == (2, 6)
+    assert out == [CORRECT, TIMEOUT, CORRECT, TIMEOUT, WRONG, NO_ANSWER, CORRECT]
+
+
+def test_a_worker_that_dies_mid_pipeline_times_out_that_answer_only():
+    pairs = [("4", "\\boxed{4}"), ("1", "DIE"), ("5", "\\boxed{6}"), ("3", "\\boxed{3}")]
+    with VerifierPool(2, 5.0, worker_code=_real_worker("DIE", "os._exit(1)"), announces_ready=True) as pool:
+        assert pool.verify(pairs) == [CORRECT, TIMEOUT, WRONG, CORRECT]
+        assert pool.killed == 1
+
+
+def test_a_worker_that_cannot_start_is_an_error_not_a_timeout():
+    with VerifierPool(1, 1.0, worker_code="import sys; sys.exit(3)", announces_ready=True) as pool:
+        with pytest.raises(RuntimeError, match="before it was ready"):
+            pool.verify([("4", "\\boxed{4}")])
+
+
+def test_the_real_worker_announces_ready_and_the_pool_closes_at_once():
+    pairs = [(str(i), f"\\boxed{{{i + i % 2}}}") for i in range(40)]
+    with VerifierPool(2, 5.0) as pool:
+        assert pool.announces_ready
+        assert pool.verify(pairs) == [check(g, r) for g, r in pairs]
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_worker_that_died_idle_is_replaced():
+    import select
+
+    with VerifierPool(1, 5.0) as pool:
+        w = pool.workers[0]
+        assert select.select([w.fd], [], [], 60)[0]  # it said it is ready; nobody has read that yet
+        w.proc.kill()
+        w.proc.wait()
+        assert pool.verify([("4", "\\boxed{4}"), ("4", "\\boxed{5}")]) == [CORRECT, WRONG]
+        assert pool.killed == 1
+
+
+def test_parsed_golds_are_reused_only_when_their_latex_converted():
+    golds: dict = {}
+    pairs = [("\\frac{1}{2}", "\\boxed{0.5}"), ("\\frac{1}{2}", "\\boxed{2}"), ("}{", "\\boxed{3}"),
+             ("\\frac{", "\\boxed{3}"), ("\\frac{1}{2}", "1/2")]
+    assert [check(g, r, 5.0, golds) for g, r in pairs] == [check(g, r) for g, r in pairs]
+    # "}{" parses to nothing and "\frac{" only to its fallback string: neither is kept
+    assert list(golds) == ["\\frac{1}{2}"]

@@ -349,9 +349,15 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     stats = {}
     with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
             VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        shards = {ac.name: read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout") for ac in cfg.agents}
+        # one call for the whole pool: no worker idles at the end of each agent's answers, and
+        # an answer two agents both gave is checked once
+        pairs = [p for ro in shards.values() for p in zip(ro["gold"], ro["response_text"])]
+        every = pool.verify(pairs, desc="verify")
+        start = 0
         for ac in cfg.agents:
-            ro = read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout")
-            verdicts = pool.verify(list(zip(ro["gold"], ro["response_text"])), desc=f"verify {ac.name}")
+            ro = shards[ac.name]
+            verdicts, start = every[start:start + len(ro)], start + len(ro)
             df = pd.DataFrame({"record_id": ro["record_id"], "producer": ac.name,
                                "prompt_id": ro["prompt_id"], "verdict": verdicts,
                                "reward": [reward_of(v) for v in verdicts]})

@@ -3,8 +3,8 @@
 Same models, prompts, sampling settings, batches and per-batch seeds, so both produce the same
 tokens (checked: the token counts must match). The stage also returns log-probs (generate's
 logits, softmaxed), writes the Parquet shard of records and checks its log-probs against the
-trainer's forward on ``engines.logprob_check_samples`` completions; the bare loop only
-generates. Both load each agent's checkpoint, as a user's script would. Units: generated tokens.
+trainer's forward on ``engines.logprob_check_samples`` completions; the bare loop generates
+and decodes. Both load each agent's checkpoint, as a user's script would. Units: generated tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ DEFAULT_REPS = 3
 
 
 def bare_generate(cfg, t: int = 1) -> int:
-    """What a user would write: load, tokenize, left-pad, ``generate``; count the new tokens."""
+    """What a user would write: load, tokenize, left-pad, ``generate``, decode each completion up
+    to its EOS; count the new tokens."""
     import torch
 
     from hacrl import data as task_data
@@ -49,9 +50,10 @@ def bare_generate(cfg, t: int = 1) -> int:
                 out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=r.max_new_tokens,
                                      do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=0,
                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-                new = out[:, L:]
-                for row in new.tolist():
-                    total += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+                for row in out[:, L:].tolist():  # up to EOS, decoded: the text a reward needs
+                    ids = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+                    tok.decode(ids, skip_special_tokens=True)
+                    total += len(ids)
     return total
 
 
