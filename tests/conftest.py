@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # as hacrl.cli sets it: figures independent of the load
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
 
 # a miniature config (tiny pool, tiny budgets): the same code path, in seconds
 SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
@@ -74,3 +76,14 @@ def dvc_workspace(dest: Path, items: tuple[str, ...]) -> Path:
                 [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
         subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
     return dest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_stage_server():
+    """Stage processes the tests start leave a warm stage server behind (hacrl.stage_server):
+    stop it when the session ends rather than after its idle timeout."""
+    yield
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; stage_server.stop()"],
+                   capture_output=True)

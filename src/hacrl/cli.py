@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not Path("/dev/nvidia0").exists() else "cuda")
+# the BLAS thread count fixed, not adapted to the machine's load: with MKL's dynamic threads a
+# warm-up run beside another busy process on 2 cores rounded differently and ended elsewhere
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
 
 log = logging.getLogger("hacrl")
 

@@ -7,7 +7,9 @@ loaded). So ``hacrl stage`` is a thin client: it hands its arguments, working di
 environment and its stdin/stdout/stderr file descriptors to a server over a Unix socket; the
 server, which imported all of that once, ``fork``\\ s a child that becomes the stage process
 (it writes straight to the client's pipes, in its own process group) and the client waits for
-its exit code. The first stage of a run starts the server in the background and runs cold.
+its exit code. The first stage of a run starts the server and waits for it (rather than run
+cold while the server imports: on a loaded 2-core machine BLAS picked other kernels, and a
+warm-up's figures changed).
 
 What keeps a forked stage the same as a cold one:
 
@@ -44,6 +46,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 IDLE_S = 600.0
+START_WAIT_S = 60.0
+"""How long the first stage waits for the server it started (its imports take a few seconds)."""
 ENV_KEYS = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA", "OMP_", "MKL_", "KMP_", "DS_", "TOKENIZERS_",
             "NCCL_", "PYTHON", "LD_", "VIRTUAL_ENV")
 """Environment variables a preloaded module may have read at import: a server serves only
@@ -91,29 +95,34 @@ def fingerprint() -> str:
 
 # ---------------------------------------------------------------------------------- client
 def run_remote(argv: list[str]) -> int | None:
-    """Run ``hacrl ARGV`` in a forked child of the server; None: no server served it (run cold;
-    a server is started for the next stage)."""
+    """Run ``hacrl ARGV`` in a forked child of the server (started, and waited for, if there is
+    none); None: no server served it, run cold."""
     path = socket_path()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.connect(str(path))
-    except OSError:
-        s.close()
-        _start_server(path)
-        return None
-    with s:
+    for attempt in range(2):
+        s = _connect(path)
+        if s is None:
+            # start one and wait for it, rather than run cold beside its imports: on a loaded CPU,
+            # BLAS may pick other kernels, and a stage's figures must not depend on that
+            _start_server(path)
+            s = _connect(path, wait_s=START_WAIT_S)
+            if s is None:
+                return None
         req = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
                "umask": _umask()}
         try:
             socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
             reply = json.loads(s.recv(MAX_MSG) or b'{"refused": "closed"}')
         except (OSError, ValueError):
+            s.close()
             return None
-        if "refused" in reply:
-            log.debug("stage server refused: %s", reply["refused"])
-            if reply["refused"] == "stale":
-                _start_server(path)
+        if "refused" not in reply:
+            break
+        s.close()
+        log.debug("stage server refused: %s", reply["refused"])
+        if reply["refused"] != "stale" or attempt:
             return None
+        _wait_gone(path)  # the stale server removes its socket as it exits; then start afresh
+    with s:
         child = int(reply["pid"])
 
         def forward(signum, _frame):
@@ -145,6 +154,31 @@ def stop() -> bool:
         return False
     finally:
         s.close()
+
+
+def _connect(path: Path, wait_s: float = 0.0) -> socket.socket | None:
+    """A connection to the server at ``path``, waiting up to ``wait_s`` for one to come up."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(str(path))
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+def _wait_gone(path: Path, wait_s: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _umask() -> int:
