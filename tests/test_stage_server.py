@@ -97,3 +97,21 @@ def test_a_server_whose_code_changed_refuses_and_a_fresh_one_serves(tmp_path, en
     # the old server served the first run only; a fresh one (the new code) served the second
     assert log[:stale].count("hacrl stage prepare-data") == 1
     assert log.count("ready at") == 2 and "hacrl stage prepare-data" in log[stale:]
+
+
+def test_a_server_that_cannot_start_costs_the_stage_no_wait(tmp_path, env):
+    """A server whose imports fail (here a broken ``deepspeed`` ahead on the path) exits; its
+    first client notices and runs the stage cold at once, instead of waiting out the start."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "deepspeed.py").write_text("raise ImportError('broken on purpose')\n")
+    env = {**env, "PYTHONPATH": f"{broken}:{env.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=ws, env=env, check=True,
+                   capture_output=True)
+    t0 = time.time()
+    r = _stage(ws, env, "prepare-data")
+    assert r.returncode == 0, r.stderr
+    assert time.time() - t0 < stage_server.START_WAIT_S / 2
+    assert "broken on purpose" in _sock(env).with_suffix(".log").read_text()

@@ -103,8 +103,8 @@ def run_remote(argv: list[str]) -> int | None:
         if s is None:
             # start one and wait for it, rather than run cold beside its imports: on a loaded CPU,
             # BLAS may pick other kernels, and a stage's figures must not depend on that
-            _start_server(path)
-            s = _connect(path, wait_s=START_WAIT_S)
+            proc = _start_server(path)
+            s = _connect(path, wait_s=START_WAIT_S, server=proc) if proc is not None else None
             if s is None:
                 return None
         req = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
@@ -156,8 +156,10 @@ def stop() -> bool:
         s.close()
 
 
-def _connect(path: Path, wait_s: float = 0.0) -> socket.socket | None:
-    """A connection to the server at ``path``, waiting up to ``wait_s`` for one to come up."""
+def _connect(path: Path, wait_s: float = 0.0, server: subprocess.Popen | None = None) -> socket.socket | None:
+    """A connection to the server at ``path``, waiting up to ``wait_s`` for one to come up (not
+    past the exit of ``server``, the process started to serve it: a server that cannot start,
+    say an import that fails, costs its first client no more than the attempt)."""
     import time
 
     deadline = time.monotonic() + wait_s
@@ -168,7 +170,8 @@ def _connect(path: Path, wait_s: float = 0.0) -> socket.socket | None:
             return s
         except OSError:
             s.close()
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (server is not None and server.poll() is not None
+                                                 and not path.exists()):
                 return None
             time.sleep(0.05)
 
@@ -187,14 +190,16 @@ def _umask() -> int:
     return m
 
 
-def _start_server(path: Path) -> None:
+def _start_server(path: Path) -> subprocess.Popen | None:
     """Start a server in the background (its output goes to a log beside the socket)."""
     try:
         with open(path.with_suffix(".log"), "ab") as out:
-            subprocess.Popen([sys.executable, "-m", "hacrl.stage_server", str(path)], stdin=subprocess.DEVNULL,
-                             stdout=out, stderr=out, start_new_session=True, close_fds=True)
+            return subprocess.Popen([sys.executable, "-m", "hacrl.stage_server", str(path)],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                    close_fds=True)
     except OSError as e:
         log.debug("no stage server: %s", e)
+        return None
 
 
 # ---------------------------------------------------------------------------------- server
