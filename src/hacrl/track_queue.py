@@ -116,8 +116,8 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
             try:
                 rec = json.loads(path.read_text())
                 cfg = config_mod.from_dict(rec["config"])
-                key = (rec["git_commit"], rec["flow_run_id"], rec["tracking_uri"])
-                if key not in trackers:  # one MLflow client per flusher (and commit / flow run)
+                key = (rec["git_commit"], rec["flow_run_id"], rec["tracking_uri"], cfg.experiment.name)
+                if key not in trackers:  # one MLflow client per flusher (and commit, flow run, experiment)
                     trackers[key] = Tracker(cfg, project_dir, commit=rec["git_commit"],
                                             flow_run_id=rec["flow_run_id"], uri=rec["tracking_uri"])
                 tr = trackers[key]

@@ -308,7 +308,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     def needs_pass(m: int) -> bool:
         if ref_model is not None:  # kl_init_before_step reads every mini-batch's pi_old up front
             return True
-        if m == 0 and tc.epochs >= 1:  # its first training forward is pi_old
+        if m == 0:  # its first training forward (before any step) is pi_old
             return False
         idx = packed[m][0]
         return tc.recompute_old_logprobs or not exact_engine or not bool(is_self_all[idx].all())
