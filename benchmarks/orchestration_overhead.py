@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -35,13 +34,9 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    for line in (PROJECT / ".services.env").read_text().splitlines():
-        m = re.match(r"export (\w+)=(.*)", line)
-        if m and m.group(1) != "PATH":
-            env[m.group(1)] = m.group(2)
-    return env
+    from hacrl.services import client_env
+
+    return client_env(PROJECT)
 
 
 def direct(cfg: config_mod.Config, t: int) -> dict[str, float]:

@@ -26,6 +26,7 @@ import pytest
 from conftest import SMOKE, dvc_workspace
 
 from hacrl.orchestration import ITERATION_STAGES, workspace_lock
+from hacrl.services import client_env
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +36,8 @@ CONFIG = SMOKE + ["experiment.iterations=1", "orchestration.retry_delay_s=1",
 
 
 def _env(repo: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env = client_env(repo)
     env["HACRL_LOG_LEVEL"] = "WARNING"
-    services = repo / ".services.env"
-    if services.exists():
-        for line in services.read_text().splitlines():
-            m = re.match(r"export (\w+)=(.*)", line)
-            if m and m.group(1) != "PATH":
-                env[m.group(1)] = m.group(2)
     return env
 
 

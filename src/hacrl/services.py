@@ -79,6 +79,19 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
     }
 
 
+def client_env(project: str | os.PathLike, base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) as a shell that sourced ``.services.env``
+    sees it: the running services' variables (from their state file), none of another Prefect's
+    or MLflow's, the venv first on PATH. Without running services: ``base`` less those."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    st = _state(Path(project).resolve())
+    if st:
+        env.update({k: v for k, v in service_env(Path(project).resolve(), st["prefect_port"], st["mlflow_port"]).items()
+                    if k != "PATH"})
+    return env
+
+
 def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 

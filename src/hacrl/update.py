@@ -300,10 +300,17 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     old: list[torch.Tensor | None] = [None] * len(packed)
     gen_gap = 0.0
 
-    def gap(lp: torch.Tensor, m: int) -> float:
+    def pi_old(lp: torch.Tensor, m: int) -> torch.Tensor:
+        """Mini-batch m's pi_old from the trainer's log-probs ``lp`` at the step's start; also
+        records how far the generation log-probs are from them."""
+        nonlocal gen_gap
         idx, _, _, resp, gen_lp, _ = packed[m]
         self_mask = resp * is_self_all[idx][:, None]
-        return float(((lp - gen_lp).abs() * self_mask).max()) if bool(self_mask.any()) else 0.0
+        if bool(self_mask.any()):
+            gen_gap = max(gen_gap, float(((lp - gen_lp).abs() * self_mask).max()))
+        if tc.recompute_old_logprobs or not exact_engine:
+            return lp
+        return torch.where(self_mask.bool(), gen_lp, lp)
 
     def needs_pass(m: int) -> bool:
         if ref_model is not None:  # kl_init_before_step reads every mini-batch's pi_old up front
@@ -315,13 +322,10 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
 
     recomputed = 0
     with torch.no_grad():
-        for m, (idx, ids, attn, resp, gen_lp, _) in enumerate(packed):
+        for m, (idx, ids, attn, _, gen_lp, _) in enumerate(packed):
             if needs_pass(m):
-                lp = token_logprobs(model, ids, attn, cfg.rollout.temperature, span=spans[m])
+                old[m] = pi_old(token_logprobs(model, ids, attn, cfg.rollout.temperature, span=spans[m]), m)
                 recomputed += len(idx)
-                gen_gap = max(gen_gap, gap(lp, m))
-                keep_gen = not tc.recompute_old_logprobs and exact_engine
-                old[m] = torch.where((resp * is_self_all[idx][:, None]).bool(), gen_lp, lp) if keep_gen else lp
             elif m > 0:  # own samples of an exact engine
                 old[m] = gen_lp
         ref = []
@@ -338,13 +342,10 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         if epoch > 0 and a.minibatch_order == "prompt_groups":
             rng.shuffle(order)
         for m in order:
-            idx, ids, attn, resp, gen_lp, behavior = packed[m]
+            idx, ids, attn, resp, _, behavior = packed[m]
             logp, ent = token_logprobs(model, ids, attn, cfg.rollout.temperature, with_entropy=True, span=spans[m])
             if old[m] is None:  # the first mini-batch, before any update: this forward is pi_old
-                lp0 = logp.detach()
-                gen_gap = max(gen_gap, gap(lp0, m))
-                sm = (resp * is_self_all[idx][:, None]).bool()
-                old[m] = lp0 if tc.recompute_old_logprobs or not exact_engine else torch.where(sm, gen_lp, lp0)
+                old[m] = pi_old(logp.detach(), m)
             sf = is_self_all[idx]
             loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m], mask=resp, advantages=adv[idx],
                                            is_self=sf, omega_src=omega_src[idx], behavior_logp=behavior,

@@ -37,15 +37,10 @@ ITEMS = ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignor
 
 
 def _env(ws: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "HACRL_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    from hacrl.services import client_env
+
+    env = client_env(ws, {k: v for k, v in os.environ.items() if not k.startswith("HACRL_")})
     env["HACRL_LOG_LEVEL"] = "WARNING"
-    sv = ws / ".services.env"
-    if sv.exists():
-        for line in sv.read_text().splitlines():
-            m = re.match(r"export (\w+)=(.*)", line)
-            if m and m.group(1) != "PATH":
-                env[m.group(1)] = m.group(2).strip("'\"")
     return env
 
 
