@@ -3,7 +3,7 @@ import time
 import pytest
 
 from hacrl.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool,
-                           check, reward_of)
+                           check, fast_verdict, reward_of)
 
 
 @pytest.mark.parametrize("gold, response, verdict", [
@@ -117,9 +117,10 @@ def test_a_worker_that_cannot_start_is_an_error_not_a_timeout():
 
 def test_the_real_worker_announces_ready_and_the_pool_closes_at_once():
     pairs = [(str(i), f"\\boxed{{{i + i % 2}}}") for i in range(40)]
-    with VerifierPool(2, 5.0) as pool:
+    with VerifierPool(2, 5.0, fast_path=False) as pool:
         assert pool.announces_ready
         assert pool.verify(pairs) == [check(g, r) for g, r in pairs]
+        assert pool.fast == 0 and len(pool.workers) == 2
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 1.0
 
@@ -127,7 +128,8 @@ def test_the_real_worker_announces_ready_and_the_pool_closes_at_once():
 def test_a_worker_that_died_idle_is_replaced():
     import select
 
-    with VerifierPool(1, 5.0) as pool:
+    with VerifierPool(1, 5.0, fast_path=False) as pool:
+        pool.start()
         w = pool.workers[0]
         assert select.select([w.fd], [], [], 60)[0]  # it said it is ready; nobody has read that yet
         w.proc.kill()
@@ -143,3 +145,54 @@ def test_parsed_golds_are_reused_only_when_their_latex_converted():
     assert [check(g, r, 5.0, golds) for g, r in pairs] == [check(g, r) for g, r in pairs]
     # "}{" parses to nothing and "\frac{" only to its fallback string: neither is kept
     assert list(golds) == ["\\frac{1}{2}"]
+
+
+# ----------------------------------------------------------------------------- fast path
+
+def _integer_pairs() -> list[tuple[str, str]]:
+    """Canonical integers against boxed canonical integers: equal, off by one, scaled by 10 and
+    100 both ways (math-verify's percentage handling), negated, zero, and 12-digit ones."""
+    import random
+
+    rng = random.Random(0)
+    ns = [0, 1, 2, 5, 9, 10, 99, 100, 101, 154, 999, 1000, 123456, 10**11, 999999999999]
+    ns += [rng.randrange(-10**6, 10**6) for _ in range(60)] + [rng.randrange(10**11, 10**12) for _ in range(20)]
+    pairs = []
+    for n in ns:
+        for m in {n, n + 1, n - 1, -n, n * 10, n * 100, n // 10, n // 100, 0, 1}:
+            if abs(m) < 10**12:
+                pairs.append((str(n), f"\\boxed{{{m}}}"))
+    pairs += [("7", " \\boxed{7} "), ("7", "\\boxed{7}\n"), ("-3", "\\boxed{-3}")]
+    return pairs
+
+
+def test_the_fast_path_gives_math_verifys_verdict_on_every_pair_it_decides():
+    pairs = _integer_pairs()
+    decided = [(g, r, fast_verdict(g, r)) for g, r in pairs]
+    assert all(v is not None for _, _, v in decided)
+    assert {v for _, _, v in decided} == {CORRECT, WRONG}
+    golds: dict = {}
+    assert [v for _, _, v in decided] == [check(g, r, 5.0, golds) for g, r, _ in decided]
+
+
+@pytest.mark.parametrize("gold, response", [
+    ("007", "\\boxed{7}"), ("7", "\\boxed{007}"), ("0", "\\boxed{-0}"), ("-0", "\\boxed{0}"),
+    ("1234567890123", "\\boxed{1234567890123}"), ("7", "\\boxed{ 7}"), ("7", "\\boxed{7} or \\boxed{8}"),
+    ("7", "The answer is \\boxed{7}"), ("7", "\\boxed{7.0}"), ("7", "$\\boxed{7}$"), ("7.5", "\\boxed{7.5}"),
+    ("\\frac{1}{2}", "\\boxed{1}"), (" 7", "\\boxed{7}"), ("+7", "\\boxed{7}"), ("7", "\\boxed{+7}"),
+])
+def test_the_fast_path_leaves_everything_else_to_math_verify(gold, response):
+    assert fast_verdict(gold, response) is None
+
+
+def test_a_pool_the_fast_path_settles_starts_no_worker_and_the_rest_go_to_math_verify():
+    pairs = [("4", "\\boxed{4}"), ("4", "\\boxed{5}"), ("4", "\\boxed{4}")]
+    with VerifierPool(2, 5.0) as pool:
+        assert pool.verify(pairs) == [CORRECT, WRONG, CORRECT]
+        assert pool.fast == 2 and pool.workers == []
+        mixed = pairs + [("\\frac{1}{2}", "\\boxed{0.5}"), ("9", "nothing")]
+        assert pool.verify(mixed) == [CORRECT, WRONG, CORRECT, CORRECT, NO_ANSWER]
+        assert pool.fast == 4 and len(pool.workers) == 1  # two answers to check: one worker
+    with VerifierPool(1, 5.0, fast_path=False) as pool:
+        assert pool.verify(pairs) == [CORRECT, WRONG, CORRECT]
+        assert pool.fast == 0 and len(pool.workers) == 1

@@ -251,6 +251,10 @@ class RewardConfig:
     timeout_s: float = 5.0
     """Per-answer limit; a hung check is killed, its record gets verdict ``timeout``."""
     workers: int = 2
+    fast_path: bool = True
+    """Settle a canonical integer gold against a response that is exactly ``\\boxed{N}`` by
+    comparing the digit strings (math-verify's own verdict on such pairs, tested) instead of
+    sending it to math-verify; ``false`` sends every answer to math-verify."""
 
 
 @dataclass

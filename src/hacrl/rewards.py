@@ -6,6 +6,14 @@ parent kills any worker whose current check runs past ``timeout_s + 1`` seconds 
 fresh one: a hung check is killed, never waited on. Identical (gold, response) pairs are checked
 once.
 
+An answer whose verdict the strings alone decide is not sent to a worker (``fast_verdict``): a
+canonical integer gold (at most 12 digits) against a response that is exactly ``\\boxed{N}``
+for a canonical integer N. math-verify compares two integers exactly (no float tolerance: that
+applies only when one side is a float), so its verdict is "correct" iff the digit strings are
+equal; ``tests/test_rewards.py`` checks the agreement on a corpus of such pairs. Anything else,
+or ``reward.fast_path: false``, goes to math-verify. Workers start when the first answer needs
+one, so a call the fast path settles pays no math-verify import.
+
 Throughput (``hacrl bench verify``, docs/BENCHMARKS.md): each worker keeps several answers
 outstanding (a pipeline), so it never idles on a round trip to the parent, and takes them in runs
 of consecutive ones, so a prompt's samples meet the same caches; it imports math-verify before
@@ -19,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import select
 import subprocess
 import sys
@@ -51,6 +60,26 @@ LATEX_CACHE = 4096
 """LaTeX conversions math-verify keeps in a worker (its own default: 20)."""
 READY = "ready"
 """The line a worker writes once it can check answers (before it reads any)."""
+
+
+_INT = r"(?:0|-?[1-9][0-9]{0,11})"
+_GOLD_INT = re.compile(_INT)
+_BOXED_INT = re.compile(r"\s*\\boxed\{(" + _INT + r")\}\s*")
+
+
+def fast_verdict(gold: str, response: str) -> str | None:
+    """math-verify's verdict where the strings decide it, else ``None`` (ask math-verify).
+
+    Decided: ``gold`` is a canonical integer (no sign on 0, no leading zeros, at most 12 digits)
+    and ``response`` is exactly ``\\boxed{N}`` (whitespace around it allowed) with N a canonical
+    integer: both parse to sympy Integers, which math-verify compares exactly, and their strings
+    are equal iff the integers are.
+    """
+    if _GOLD_INT.fullmatch(gold):
+        m = _BOXED_INT.fullmatch(response)
+        if m:
+            return CORRECT if m.group(1) == gold else WRONG
+    return None
 
 
 def gold_expression(answer: str) -> str:
@@ -202,11 +231,17 @@ class VerifierPool:
     ``worker_code`` replaces the worker program (tests use it to simulate hung checks); it must
     answer in order. ``announces_ready``: whether it writes :data:`READY` before reading (then a
     check's clock starts only once the worker is ready); default: only :data:`WORKER_CODE` does.
+    ``fast_path``: settle the answers :func:`fast_verdict` decides without a worker (default: with
+    the real worker only). Workers start at the first answer that needs one, or at :meth:`start`.
     """
 
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, worker_code: str = WORKER_CODE,
-                 depth: int = PIPELINE_DEPTH, announces_ready: bool | None = None):
+                 depth: int = PIPELINE_DEPTH, announces_ready: bool | None = None,
+                 fast_path: bool | None = None):
         self.worker_code = worker_code
+        self.fast_path = worker_code == WORKER_CODE if fast_path is None else fast_path
+        self.fast = 0
+        """Distinct answers settled by :func:`fast_verdict`."""
         self.n = max(1, workers)
         self.timeout_s = timeout_s
         self.hard_limit = timeout_s + KILL_GRACE_S
@@ -222,9 +257,15 @@ class VerifierPool:
         return _Worker(self.timeout_s, self.worker_code, self.announces_ready)
 
     def __enter__(self) -> "VerifierPool":
-        # all at once: their imports run side by side (and alongside the caller's own work)
-        self.workers = [self._spawn() for _ in range(self.n)]
         return self
+
+    def start(self, answers: int | None = None) -> None:
+        """Start the workers ``answers`` answers need (one per :data:`RUN_LENGTH` of them, at most
+        ``workers``; all of them if ``None``) that are not running yet, all at once: their
+        imports run side by side, and alongside the caller's own work. A straggler the fast path
+        left behind then costs one math-verify import, not one per worker."""
+        want = self.n if answers is None else min(self.n, max(1, -(-answers // RUN_LENGTH)))
+        self.workers += [self._spawn() for _ in range(want - len(self.workers))]
 
     def __exit__(self, *exc) -> None:
         # close every stdin first, so the workers exit together rather than one after another
@@ -248,10 +289,15 @@ class VerifierPool:
 
         unique = list(dict.fromkeys(pairs))
         verdicts: list[str | None] = [None] * len(unique)
-        todo = deque(range(len(unique)))
+        if self.fast_path:
+            verdicts = [fast_verdict(g, r) for g, r in unique]
+            self.fast += sum(v is not None for v in verdicts)
+        todo = deque(k for k, v in enumerate(verdicts) if v is None)
+        if todo:
+            self.start(len(todo))
         self._runs = [deque() for _ in self.workers]
-        left = len(unique)
-        bar = tqdm(total=len(unique), desc=desc, leave=False, disable=len(unique) < 2000)
+        left = len(todo)
+        bar = tqdm(total=left, desc=desc, leave=False, disable=left < 2000)
 
         def done(k: int, v: str) -> None:
             nonlocal left

@@ -90,7 +90,7 @@ def prepare_pool(cfg: Config) -> dict:
     splits = {s: _split(cfg, s) for s in ("train", "dev")}
     records = {}
     ckpts = lay.checkpoints(0)
-    with atomic_path(ckpts, is_dir=True) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver:
+    with atomic_path(ckpts, is_dir=True) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver:
         for ac in cfg.agents:
             t0 = time.time()
             if ac.path is not None:
@@ -348,7 +348,7 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     lay = _layout(cfg)
     stats = {}
     with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
-            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as pool:
         shards = {ac.name: read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout") for ac in cfg.agents}
         # one call for the whole pool: no worker idles at the end of each agent's answers, and
         # an answer two agents both gave is checked once
@@ -366,6 +366,7 @@ def verify_rewards(cfg: Config, t: int) -> dict:
             stats[ac.name] = {"reward_mean": float(df["reward"].mean()), "verdicts": counts}
             log.info("rewards %s: %s", ac.name, stats[ac.name])
         stats["_killed_workers"] = pool.killed
+        stats["_fast_verdicts"] = pool.fast
     return stats
 
 
@@ -568,7 +569,7 @@ def evaluate(cfg: Config, t: int) -> dict:
     metrics: dict = {"iteration": t, "agents": {}}
     # an agent's answers are checked (in the verifier's processes, driven from a thread) while the
     # next agent generates: checking costs about as much as generating here
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s) as ver, ThreadPoolExecutor(1) as checks:
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver, ThreadPoolExecutor(1) as checks:
         serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
         pending, extra = {}, {}
         for ac in cfg.agents:

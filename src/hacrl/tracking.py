@@ -286,7 +286,8 @@ class Tracker:
             per[a] = {"reward_mean": r["reward_mean"],
                       **{f"verdict_{k}": v / n for k, v in r.get("verdicts", {}).items()}}
         self._per_agent(parent, run_id, t, per)
-        self._metrics(run_id, {"killed_verifier_workers": result.get("_killed_workers", 0)}, t)
+        self._metrics(run_id, {"killed_verifier_workers": result.get("_killed_workers", 0),
+                               "fast_path_verdicts": result.get("_fast_verdicts", 0)}, t)
         self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts"), "rollouts")
 
     def _on_exchange_and_align(self, parent, run_id, t, result) -> None:

@@ -234,7 +234,7 @@ def overshoot(timeout_s: float = TIMEOUT_S) -> dict:
 
     out = {}
     with VerifierPool(1, timeout_s) as pool:
-        pool.verify([("1", "\\boxed{1}")])  # the worker is ready: what follows is the check alone
+        pool.verify([("1", "The answer is 1.")])  # the worker is ready (not a fast-path answer): what follows is the check alone
         t0 = time.monotonic()
         v = pool.verify([("7", PATHOLOGICAL[0])])[0]
         out["pathological_overshoot_s"] = round(time.monotonic() - t0 - timeout_s, 3)
