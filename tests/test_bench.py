@@ -35,6 +35,23 @@ def test_rollout_suite_generates_the_same_tokens_both_ways(tmp_path):
     assert res["contenders"]["stage"]["units"] == res["contenders"]["bare_generate"]["units"] > 0
 
 
+def test_rollout_suite_on_smollm2_with_vllm_where_installed(tmp_path):
+    import os
+
+    from hacrl.stages import vllm_python
+
+    res = _bench("rollout_smollm2", tmp_path)
+    c = res["contenders"]
+    assert res["work"]["same_tokens"] is True and res["work"]["agent"].startswith("smollm2-135m")
+    assert c["stage"]["units"] == c["bare_generate"]["units"] > 0
+    if vllm_python(".venv-vllm/bin/python").exists():
+        assert c["stage_vllm"]["units"] > 0 and c["stage_vllm"]["extra"]["engine_startup_s"] > 0
+    elif os.environ.get("HACRL_REQUIRE_VLLM") == "1":
+        pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")
+    else:
+        assert "stage_vllm" not in c
+
+
 def test_update_suite_compares_the_stage_with_trl(tmp_path):
     res = _bench("update", tmp_path)
     c = res["contenders"]

@@ -41,3 +41,33 @@ def test_without_position_ids_gpt2_would_disagree(tiny_problems):
         logits = agent.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         naive = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert (good[1, -2:] - naive[1, -2:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_step_logprobs_are_the_bits_of_generates_own_logits(greedy, tiny_problems):
+    """The engine keeps one step's distribution at a time (a forward hook); its tokens and
+    log-probs equal, bit for bit, those of ``output_logits=True`` with the same seed."""
+    _, agent = make_agent("llama", "bytelevel_unigram", tiny_problems)
+    tok, model = agent.tokenizer, agent.model
+    prompts = [agent.render(p["problem"]) for p in tiny_problems["heldout"][:5]] + ["Q: 1?\nA:"]
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=10, seed=4, greedy=greedy)
+    comps = HFEngine(model, tok, batch_size=64).generate(prompts, params)
+    # the engine's batch, seed and padding, generated again keeping every step's raw logits
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    jobs = [(i, s) for i in range(len(prompts)) for s in range(params.n)]
+    order = sorted(range(len(jobs)), key=lambda j: len(enc[jobs[j][0]]))
+    L = max(map(len, enc))
+    ids = torch.tensor([[tok.pad_token_id] * (L - len(enc[jobs[j][0]])) + enc[jobs[j][0]] for j in order])
+    attn = (torch.arange(L)[None, :] >= torch.tensor([L - len(enc[jobs[j][0]]) for j in order])[:, None]).long()
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(params.seed))))
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=0.7, top_p=1.0, top_k=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=10, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, output_logits=True, return_dict_in_generate=True, **kw)
+    new = out.sequences[:, L:]
+    lp = torch.log_softmax(torch.stack(out.logits, 1).float() / (1.0 if greedy else 0.7), -1)
+    lp = lp.gather(-1, new[..., None]).squeeze(-1)
+    for r, j in enumerate(order):
+        c = comps[j]
+        assert c.token_ids == new[r].tolist()[:len(c.token_ids)]
+        assert c.logprobs == lp[r, :len(c.token_ids)].tolist()

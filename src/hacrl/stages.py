@@ -221,7 +221,7 @@ def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: in
     completions. Every importance ratio built on recorded log-probs carries this error."""
     import torch
 
-    from hacrl.scoring import pack, token_logprobs
+    from hacrl.scoring import pack, response_span, token_logprobs
 
     picked = [c for c in comps[:: max(1, len(comps) // max(1, samples))] if c.token_ids][:samples]
     if not picked:
@@ -232,7 +232,8 @@ def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: in
         for b0 in range(0, len(picked), batch):
             part = picked[b0:b0 + batch]
             ids, attn, resp = pack([c.prompt_token_ids for c in part], [c.token_ids for c in part], pad_id)
-            lp = token_logprobs(model, ids, attn, temperature)
+            # the head projects the response positions only (the same bits: see token_logprobs)
+            lp = token_logprobs(model, ids, attn, temperature, span=response_span(resp))
             for i, c in enumerate(part):
                 mine = lp[i][resp[i].bool()]
                 diffs.append((mine - torch.tensor(c.logprobs, dtype=mine.dtype)).abs())

@@ -13,5 +13,5 @@ Suites live in one module each (:mod:`hacrl.bench.rollout`, ...) and expose
 
 from __future__ import annotations
 
-SUITES = ("rollout", "update", "verify", "evaluate", "align", "pipeline")
+SUITES = ("rollout", "rollout_smollm2", "update", "verify", "evaluate", "align", "pipeline")
 """In the order ``hacrl bench all`` runs them."""

@@ -2,9 +2,9 @@
 
 Same models, prompts, sampling settings, batches and per-batch seeds, so both produce the same
 tokens (checked: the token counts must match). The stage also returns log-probs (generate's
-logits, softmaxed), writes the Parquet shard of records and checks its log-probs against the
-trainer's forward on ``engines.logprob_check_samples`` completions; the bare loop generates
-and decodes. Both load each agent's checkpoint, as a user's script would. Units: generated tokens.
+logits, softmaxed step by step), writes the Parquet shard of records (and, if
+``engines.logprob_check_samples`` is set, checks its log-probs against the trainer's forward);
+the bare loop generates and decodes. Both load each agent's checkpoint, as a user's script would. Units: generated tokens.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
 
         def stage() -> dict:
             res = stages.generate_rollouts(cfg, t)
-            return {"units": sum(v["tokens"] for v in res.values()),
-                    "logprob_gap_max": max(v.get("logprob_gap_max", 0.0) for v in res.values())}
+            out = {"units": sum(v["tokens"] for v in res.values())}
+            if cfg.engines.logprob_check_samples:
+                out["logprob_gap_max"] = max(v.get("logprob_gap_max", 0.0) for v in res.values())
+            return out
 
         measured = compare([Contender("stage", stage, "generate-rollouts: records, log-probs, shard, log-prob check"),
                             Contender("bare_generate", lambda: bare_generate(cfg, t),
