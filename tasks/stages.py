@@ -3,6 +3,12 @@
 Each task runs ``dvc repro --single-item STAGE`` (see ``hacrl.orchestration``), so DVC records
 what Prefect ran and skips what is already up to date; the stage's output streams to the task's
 log. Config and data errors (exit 2) and non-finite losses (exit 3) are not retried.
+
+The tasks carry no tags of their own, only the device tags MWRA gives them (which carry a
+concurrency limit of one each): Prefect 3.9 asks for concurrency slots for every tag a task
+has, and with a label tag (``hacrl``) that asked-for slot held some task starts up ~2 s
+(measured: one stage in most iterations of a flow run, none without it). The task names
+(``dvc-stage``, ``gpu-stage``) say what a label tag would.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ def _retryable(task, task_run, state) -> bool:
     return not (isinstance(exc, StageFailed) and not exc.retryable)
 
 
-@task(name="dvc-stage", tags=["hacrl"], retry_condition_fn=_retryable)
+@task(name="dvc-stage", retry_condition_fn=_retryable)
 def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
     """Run one DVC stage (``name@itT``); return ``ran``, ``restored`` or ``up-to-date``."""
     logger = get_run_logger()
@@ -67,7 +73,7 @@ def gpu_pool_has_workers(pool: str) -> bool:
     return any(str(getattr(w, "status", "")).upper().endswith("ONLINE") for w in workers)
 
 
-@task(name="gpu-stage", tags=["hacrl", "gpu"], retry_condition_fn=_retryable)
+@task(name="gpu-stage", retry_condition_fn=_retryable)
 def gpu_stage(project_dir: str, stage: str, force: bool, routing: str, pool: str, deployment: str) -> str:
     """A GPU stage: on ``pool`` through ``deployment`` when routed there, else in this flow."""
     logger = get_run_logger()
