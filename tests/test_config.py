@@ -87,3 +87,42 @@ def test_a_fetched_agent_needs_no_model_directory_yet():
     assert cfg.rollout.engine == "hf"
     v = config.from_dict(config.compose(["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm"]))
     assert v.rollout.engine == "vllm" and v.rollout.max_new_tokens == 48
+
+
+def test_recomposing_keeps_an_experiment_the_flow_extended(tmp_path):
+    """`make run` after Prefect grew the experiment to 7 iterations keeps 7 (and says so); an
+    explicit experiment.iterations, or another experiment, takes the composition's count."""
+    import yaml
+
+    from hacrl.cli import main
+    from hacrl.orchestration import set_iterations
+
+    out = tmp_path / "params.yaml"
+    assert main(["config", "--out", str(out)]) == 0
+    n = yaml.safe_load(out.read_text())["experiment"]["iterations"]
+    set_iterations(tmp_path, n + 1)  # what the flow does once every configured iteration is done
+    assert main(["config", "--out", str(out)]) == 0
+    data = yaml.safe_load(out.read_text())
+    assert data["experiment"]["iterations"] == n + 1 and f"it{n + 1}" in data["iterations"]
+    assert main(["config", "--out", str(out), "--check"]) == 0
+    assert main(["config", "--out", str(out), "experiment.iterations=2"]) == 0
+    assert yaml.safe_load(out.read_text())["experiment"]["iterations"] == 2
+    set_iterations(tmp_path, 9)
+    assert main(["config", "--out", str(out), "experiment=smoke"]) == 0  # another experiment
+    assert yaml.safe_load(out.read_text())["experiment"]["iterations"] != 9
+
+
+def test_one_agents_setting_by_name_or_position():
+    from hacrl.config import ConfigError, compose
+
+    base = {a["name"]: a for a in compose([])["agents"]}
+    by_name = {a["name"]: a for a in compose(["agents.gpt2-weak.warmup.lr=1e-3"])["agents"]}
+    assert by_name["gpt2-weak"]["warmup"]["lr"] == 1e-3
+    assert by_name["llama-mid"] == base["llama-mid"] and by_name["qwen2-strong"] == base["qwen2-strong"]
+    by_pos = compose(["agents.2.warmup.max_steps=7", "agents.pool.0.warmup.max_steps=5"])["agents"]
+    assert [a["warmup"]["max_steps"] for a in by_pos] == [5, base["llama-mid"]["warmup"]["max_steps"], 7]
+    # the names of the pool the other overrides choose
+    mix = compose(["agents=smollm2_mix", "agents.qwen2-embedded.template='Q: {problem}'"])["agents"]
+    assert mix[1]["template"] == "Q: {problem}"
+    with pytest.raises(ConfigError, match=r"agents\.nope\.warmup\.lr: no agent 'nope' in the pool \(names: gpt2-weak"):
+        compose(["agents.nope.warmup.lr=1"])

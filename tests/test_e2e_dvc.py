@@ -170,3 +170,21 @@ def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
     _run(["dvc", "repro", "--force", "--single-item", "update-policies@it4"], repo)
     assert _outs(repo, "update-policies@it4") == resumed
     assert _ran(_run(["dvc", "repro"], repo).stdout) == []
+
+
+def test_a_fresh_workspace_elsewhere_reproduces_the_committed_lock_for_the_data(tmp_path):
+    """The project's own pipeline files in another directory: `dvc repro prepare-data` writes the
+    task data whose hashes the committed dvc.lock holds (nothing depends on the checkout's path
+    or the clock). The pool's tokenizers are the same bytes in every process
+    (tests/test_pool.py); the trained weights depend on the CPU's float arithmetic."""
+    import yaml
+
+    from conftest import ROOT
+
+    ws = dvc_workspace(tmp_path / "elsewhere with space", ("dvc.yaml", "dvc.lock", "params.yaml", "conf", "src",
+                                                            ".gitignore", ".dvcignore"))
+    _run(["dvc", "repro", "--single-item", "prepare-data"], ws)
+    mine = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["prepare-data"]
+    committed = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]["prepare-data"]
+    assert mine["outs"] == committed["outs"]
+    assert mine["deps"] == committed["deps"] and mine.get("params") == committed.get("params")

@@ -20,6 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu" if not Path("/dev/nvidia0").exists
 # warm-up run beside another busy process on 2 cores rounded differently and ended elsewhere
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_DYNAMIC", "FALSE")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing leaves the machine
 
 log = logging.getLogger("hacrl")
 
@@ -32,10 +33,14 @@ def _setup_logging(level: str = "INFO") -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hacrl.config import compose, write_params
+    from hacrl.config import compose, keep_extension, write_params
 
     data = compose(args.overrides)
     out = Path(args.out)
+    kept = keep_extension(data, args.overrides, out)
+    if kept:
+        print(f"hacrl: kept experiment.iterations={kept} from {out} (the experiment was extended; "
+              f"pass experiment.iterations=N to set it)", file=sys.stderr)
     if args.check:
         import yaml
 
@@ -178,7 +183,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     env = Path(args.project).resolve() / ENV_FILE
     print(f"Prefect UI   http://127.0.0.1:{st['prefect_port']}  (deployments hacrl/iterate, hacrl-stage/gpu)")
     if not args.no_mlflow_ui:
-        print(f"MLflow UI    http://127.0.0.1:{st['mlflow_port']}")
+        ui = f"http://127.0.0.1:{st['mlflow_port']}"
+        params = Path(args.project).resolve() / "params.yaml"
+        if params.exists():  # straight to the experiment's training runs
+            from hacrl import config as config_mod
+            from hacrl.tracking import runs_url
+
+            try:
+                cfg = config_mod.load(params)
+                ui = runs_url(ui, cfg, Path(args.project)) if cfg.tracking.enabled else ui
+            except Exception as e:  # noqa: BLE001 - the UI is up either way
+                log.warning("no experiment page: %s", e)
+        print(f"MLflow UI    {ui}")
     print(f"In a new shell:  source .venv/bin/activate && source {env}")
     print("Then:           prefect deployment run hacrl/iterate --watch      (stop: make stop)")
     return 0

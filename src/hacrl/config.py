@@ -625,13 +625,50 @@ def iteration_table(n: int) -> dict[str, dict[str, int]]:
     return {f"it{t}": {"it": t, "prev": t - 1} for t in range(1, n + 1)}
 
 
+def _agent_overrides(overrides: list[str], conf_dir: Path) -> list[str]:
+    """``agents.NAME.key=v`` and ``agents.N.key=v`` as Hydra's ``agents.pool.N.key=v``.
+
+    The agents group holds ``{pool: [...]}`` (so that a pool is swapped whole), which makes
+    ``agents.pool.1.warmup.lr`` the only spelling Hydra knows. An agent is named by its name
+    (the longest that matches: names may hold dots) or its position in the pool composed from
+    the other overrides; an unknown one is a one-line error listing the pool."""
+    import re
+
+    mine = [ov for ov in overrides if re.match(r"^[+~]*agents\.(?!pool\.)[^=]+\.[^=]+=", ov)]
+    if not mine:
+        return overrides
+    base = compose([ov for ov in overrides if ov not in mine], conf_dir)
+    names = [a["name"] for a in base["agents"]]
+    out = []
+    for ov in overrides:
+        if ov not in mine:
+            out.append(ov)
+            continue
+        sign = ov[:len(ov) - len(ov.lstrip("+~"))]
+        key = ov[len(sign) + len("agents."):]
+        hits = [n for n in names if key.startswith(n + ".")]
+        if hits:
+            name = max(hits, key=len)
+            idx, rest = names.index(name), key[len(name) + 1:]
+        else:
+            head, _, rest = key.partition(".")
+            if not head.isdigit() or int(head) >= len(names):
+                raise ConfigError(f"{ov.partition('=')[0].lstrip('+~')}: no agent {head!r} in the pool "
+                                  f"(names: {', '.join(names)}; or a position 0-{len(names) - 1})")
+            idx = int(head)
+        out.append(f"{sign}agents.pool.{idx}.{rest}")
+    return out
+
+
 def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> dict:
-    """Compose ``conf/`` with Hydra overrides into the plain dict written to params.yaml."""
+    """Compose ``conf/`` with Hydra overrides into the plain dict written to params.yaml.
+    One agent's setting: ``agents.NAME.key=value`` (or ``agents.N.key=value``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    overrides = _agent_overrides(list(overrides or []), conf_dir)
     for ov in overrides or []:
         key, _, value = ov.lstrip("+~").partition("=")
         group_dir = conf_dir / key
@@ -658,6 +695,30 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
     data["iterations"] = iteration_table(int(data["experiment"]["iterations"]))
     data["agent_names"] = [a["name"] for a in data["agents"]]
     return data
+
+
+def keep_extension(data: dict, overrides: list[str] | None, path: Path) -> int | None:
+    """Keep the larger ``experiment.iterations`` of ``data`` and the params file at ``path``.
+
+    ``prefect deployment run hacrl/iterate`` grows the experiment by one iteration once the
+    configured ones are done; recomposing ``conf/`` (``make run``, ``hacrl config``) must not
+    shrink it back (the extra iterations would leave the pipeline and the report would be rebuilt
+    for fewer). Unless ``overrides`` set ``experiment.iterations`` themselves, ``data`` takes the
+    file's count when it is larger (same experiment name); returns the count kept, or None.
+    """
+    if any(o.split("=", 1)[0].lstrip("+~") == "experiment.iterations" for o in overrides or []):
+        return None
+    try:
+        current = yaml.safe_load(path.read_text()) or {}
+        n = int(current["experiment"]["iterations"])
+        same = current["experiment"].get("name") == data["experiment"].get("name")
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+    if not same or n <= int(data["experiment"]["iterations"]):
+        return None
+    data["experiment"]["iterations"] = n
+    data["iterations"] = iteration_table(n)
+    return n
 
 
 def write_params(data: dict, path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from hacrl.config import ConfigError, compose, from_dict, iteration_table, write_params
+from hacrl.config import ConfigError, compose, from_dict, iteration_table, keep_extension, write_params
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,8 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
     ``experiment.iterations``, hence dvc.yaml's ``foreach``). Call under :func:`workspace_lock`.
     """
     if overrides:
-        current = int(read_params(project)["experiment"]["iterations"])
         data = compose(overrides)
-        if not any(o.split("=", 1)[0].lstrip("+~") == "experiment.iterations" for o in overrides):
-            data["experiment"]["iterations"] = max(current, int(data["experiment"]["iterations"]))
-            data["iterations"] = iteration_table(data["experiment"]["iterations"])
+        keep_extension(data, overrides, project / "params.yaml")
         write_params(data, project / "params.yaml")
     n = int(read_params(project)["experiment"]["iterations"])
     stale = stale_stages(project)

@@ -66,16 +66,23 @@ def _canonical_unigram(tok, n_special: int):
 
     The ``tokenizers`` Unigram trainer is not reproducible across processes (hash-map order):
     the same pieces come out in another order, with scores that differ in late decimals.
-    Specials keep their ids; the other pieces are ordered by text, so the ids are stable (the
-    scores still vary slightly; they decide nothing while the pieces are single characters).
+    Specials keep their ids; the other pieces are ordered by text, so the ids are stable. When
+    every other piece is a single character (the embedded pool's case), the segmentation of any
+    text is unique and the scores decide nothing: they are all set to the same value, so the
+    file is the same bytes on every run (a fresh clone reproduces the committed ``dvc.lock``).
+    Otherwise they are rounded to 4 decimals and may still differ between runs.
     """
     import json
+    import math
 
     from tokenizers import Tokenizer
 
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     rest = sorted(([p, round(s, 4)] for p, s in vocab[n_special:]), key=lambda x: x[0])
+    if rest and all(len(p) == 1 for p, _ in rest):
+        uniform = round(-math.log(len(rest)), 4)
+        rest = [[p, uniform] for p, _ in rest]
     data["model"]["vocab"] = vocab[:n_special] + rest
     return Tokenizer.from_str(json.dumps(data))
 

@@ -77,6 +77,7 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
         # released when the next asked for it)
         "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "0.25",
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         "HACRL_MLFLOW_UI": f"http://{HOST}:{mlflow_port}",
         "HACRL_PROJECT_DIR": str(project),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

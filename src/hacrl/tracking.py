@@ -44,6 +44,31 @@ def sanitize(name: str) -> str:
     return _BAD_METRIC_CHARS.sub("_", name)
 
 
+def experiment_id(client, cfg: Config, project_dir: Path) -> str:
+    """The id of the experiment's MLflow experiment (``experiment.name``), created (its artifacts
+    under ``tracking.artifact_dir``) if it does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    name = cfg.experiment.name
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    art = (Path(project_dir).resolve() / cfg.tracking.artifact_dir / name).as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=art)
+    except MlflowException:  # another stage process created it meanwhile
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def runs_url(ui: str, cfg: Config, project_dir: Path) -> str:
+    """The MLflow UI page of the experiment's training runs (MLflow 3 opens on its GenAI traces
+    view otherwise, empty here)."""
+    from mlflow.tracking import MlflowClient
+
+    eid = experiment_id(MlflowClient(tracking_uri(cfg, Path(project_dir))), cfg, project_dir)
+    return f"{ui.rstrip('/')}/#/experiments/{eid}/runs"
+
+
 def tracking_uri(cfg: Config, project_dir: Path) -> str:
     """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<project>/mlflow.db``."""
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or \
@@ -128,17 +153,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ runs
     def _experiment(self) -> str:
-        from mlflow.exceptions import MlflowException
-
-        name = self.cfg.experiment.name
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        art = (self.project / self.cfg.tracking.artifact_dir / name).as_uri()
-        try:
-            return self.client.create_experiment(name, artifact_location=art)
-        except MlflowException:  # another stage process created it meanwhile
-            return self.client.get_experiment_by_name(name).experiment_id
+        return experiment_id(self.client, self.cfg, self.project)
 
     def _base_tags(self, t: int) -> dict[str, str]:
         tags = {"hacrl.experiment": self.cfg.experiment.name, "hacrl.iteration": str(t),
