@@ -298,3 +298,16 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
         digests.append({f.relative_to(state).as_posix(): hashlib.md5(f.read_bytes()).hexdigest()
                         for f in sorted(state.rglob("*")) if f.is_file()})
     assert digests[0] == digests[1] and len(digests[0]) >= 2
+
+
+def test_dvc_metrics_hold_the_headline_per_agent():
+    """`dvc metrics show` prints a few columns per agent; the rest stays in the history file."""
+    from hacrl.stages import HEADLINE, headline_metrics
+
+    full = {"iteration": 2, "agents": {"a": {"eval_accuracy": 0.5, "eval_stderr": 0.01, "eval_n": 1200,
+                                             "by_level": {"1": 0.6}, "train_reward": 0.4, "entropy": 1.2},
+                                       "b": {"eval_accuracy": 0.3, "eval_stderr": 0.02, "eval_n": 1200}}}
+    h = headline_metrics(full)
+    assert h == {"iteration": 2, "agents": {"a": {"eval_accuracy": 0.5, "eval_stderr": 0.01, "train_reward": 0.4},
+                                            "b": {"eval_accuracy": 0.3, "eval_stderr": 0.02}}}
+    assert set(HEADLINE) == {"eval_accuracy", "eval_stderr", "train_reward"}

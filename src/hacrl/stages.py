@@ -603,9 +603,19 @@ def evaluate(cfg: Config, t: int) -> dict:
     prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}
     history = {"algorithm": cfg.algorithm.name,
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
-    write_json(lay.eval_metrics(t), metrics)
+    write_json(lay.eval_metrics(t), headline_metrics(metrics))
     write_json(lay.history(t), history)
     return metrics
+
+
+HEADLINE = ("eval_accuracy", "eval_stderr", "train_reward")
+
+
+def headline_metrics(metrics: dict) -> dict:
+    """What ``dvc metrics show`` prints per iteration: held-out accuracy, its standard error and
+    the training reward of each agent (a few columns; every figure is in the history file)."""
+    return {"iteration": metrics["iteration"],
+            "agents": {a: {k: m[k] for k in HEADLINE if k in m} for a, m in metrics["agents"].items()}}
 
 
 def report(cfg: Config) -> Path:
