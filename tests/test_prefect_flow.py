@@ -103,6 +103,7 @@ def test_services_listen_on_localhost_only(served):
         assert r.status == 200
     pools = {p["name"]: p for p in _api(served, "/work_pools/filter")}
     assert {"cpu", "gpu"} <= set(pools) and pools["gpu"]["concurrency_limit"] >= 1
+    assert "Idle, and not used, while no worker with a GPU polls it" in pools["gpu"]["description"]
 
 
 def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(served):

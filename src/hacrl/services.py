@@ -148,8 +148,18 @@ def _prefect(project: Path, env: dict[str, str], *args: str) -> subprocess.Compl
     return p
 
 
+POOL_DESCRIPTIONS = {
+    "cpu": "hacrl: the iterate flow runs and their stages, on this machine (one flow run at a time "
+           "holds the workspace lock).",
+    "gpu": "hacrl: policy updates routed to GPU workers (deployment hacrl-stage/gpu). Idle, and "
+           "not used, while no worker with a GPU polls it: the iterate flow then runs the update "
+           "itself (orchestration.gpu_routing=auto).",
+}
+
+
 def _create_pools(env: dict[str, str], limits: dict[str, int | None]) -> None:
-    """Create (or reset) process-type work pools with their concurrency limits."""
+    """Create (or reset) process-type work pools with their concurrency limits and a description
+    a user sees in the UI (an idle ``gpu`` pool says why it is idle)."""
     for k in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED"):
         os.environ[k] = env[k]  # read by Prefect's settings when the client is first built
     from prefect.client.orchestration import get_client
@@ -160,7 +170,8 @@ def _create_pools(env: dict[str, str], limits: dict[str, int | None]) -> None:
     with get_client(sync_client=True) as client:
         for name, limit in limits.items():
             client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template,
-                                                   concurrency_limit=limit), overwrite=True)
+                                                   concurrency_limit=limit, description=POOL_DESCRIPTIONS.get(name)),
+                                    overwrite=True)
 
 
 def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_port: int = 5000,
