@@ -127,3 +127,17 @@ def test_prefect_retries_only_failures_that_a_retry_can_fix(root, monkeypatch, t
     assert _retryable(None, None, Failed(data=StageFailed("s@it1", 3, "non-finite loss"))) is False
     assert _retryable(None, None, Failed(data=StageFailed("s@it1", 1, "crash"))) is True
     assert _retryable(None, None, Failed(data=StageFailed("s@it1", -9, "killed"))) is True
+
+
+def test_task_logs_keep_the_stage_lines_and_drop_dvc_hints_and_progress_bars():
+    from hacrl.orchestration import LOG_LINE_CHARS, task_log_line
+
+    assert task_log_line("Running stage 'evaluate@it1':") == "Running stage 'evaluate@it1':"
+    assert task_log_line("21:44:45 INFO hacrl: stage update-policies (iteration 1) finished in 10.1s").endswith("10.1s")
+    for noise in ("To track the changes with git, run:", "\tgit add dvc.lock", "\tdvc config core.autostage true",
+                  "Use `dvc push` to send your updates to remote storage.", "   ",
+                  "eval llama-mid:  50%|█████     | 1/2 [00:00<00:00,  1.86it/s]",
+                  "Loading weights:   0%|          | 0/29 [00:00<?, ?it/s]\rLoading weights: 100%|██████████| 29/29 [00:00<00:00, 7720.88it/s]"):
+        assert task_log_line(noise) is None, noise
+    long = "update a: {" + "'k': 1.0, " * 100 + "}"
+    assert len(task_log_line(long)) == LOG_LINE_CHARS + 4

@@ -207,6 +207,22 @@ def workspace_lock(project: Path, timeout_s: float, holder: str = "") -> Iterato
         os.close(fd)  # releases the lock
 
 
+DVC_HINTS = ("To track the changes with git, run:", "git add dvc.lock", "To enable auto staging, run:",
+             "dvc config core.autostage true", "Use `dvc push` to send your updates to remote storage.")
+"""What ``dvc repro`` prints after every stage: said once per run in the README, not in every task log."""
+_TQDM = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")
+LOG_LINE_CHARS = 400
+
+
+def task_log_line(line: str) -> str | None:
+    """A line of a stage's output as a task log shows it: None for DVC's after-run hints and for
+    progress bars (tqdm redraws; the stage logs its start, end and figures), long lines cut."""
+    line = line.rsplit("\r", 1)[-1].rstrip()
+    if not line.strip() or line.strip() in DVC_HINTS or _TQDM.search(line):
+        return None
+    return line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " ..."
+
+
 def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str, str] | None = None,
                   on_line: Callable[[str], None] | None = None) -> str:
     """``dvc repro --single-item STAGE``; returns ``ran``, ``restored`` (DVC's run cache had
@@ -223,8 +239,9 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
     for line in proc.stdout:
         line = line.rstrip("\n")
         lines.append(line)
-        if on_line is not None and line.strip():
-            on_line(line)
+        shown = task_log_line(line) if on_line is not None else None
+        if shown is not None:
+            on_line(shown)
     rc = proc.wait()
     text = "\n".join(lines)
     if rc != 0:
