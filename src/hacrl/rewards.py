@@ -18,8 +18,8 @@ Throughput (``hacrl bench verify``, docs/BENCHMARKS.md): each worker keeps sever
 outstanding (a pipeline), so it never idles on a round trip to the parent, and takes them in runs
 of consecutive ones, so a prompt's samples meet the same caches; it imports math-verify before
 it reads its first answer and says so, so the import is not charged to any answer's time limit;
-it reuses parsed gold answers and keeps more of math-verify's LaTeX conversions. Every verdict is
-still ``check()``'s, computed by math-verify in a worker: nothing is decided anywhere else.
+it reuses parsed gold answers and keeps more of math-verify's LaTeX conversions. Every other verdict is
+still ``check()``'s, computed by math-verify in a worker.
 """
 
 from __future__ import annotations

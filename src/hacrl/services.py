@@ -72,10 +72,6 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
         "PREFECT_SERVER_API_HOST": HOST,
         "PREFECT_SERVER_API_PORT": str(prefect_port),
         "PREFECT_WORKER_QUERY_SECONDS": "2",
-        # a task whose device tag is still held retries after at most this long (Prefect's cap:
-        # 30 s; measured here: 2.1 s lost before some stages, the previous stage's slot not yet
-        # released when the next asked for it)
-        "PREFECT_SERVER_TASKS_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "0.25",
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "HACRL_MLFLOW_UI": f"http://{HOST}:{mlflow_port}",
