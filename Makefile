@@ -9,9 +9,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OVERRIDES ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-bench bench run test test-slow test-all params clean-runs serve stop
+.PHONY: setup check-venv setup-vllm setup-bench bench run test test-slow test-all params clean-runs serve stop iterate
 
-setup: $(STAMP)
+setup: check-venv $(STAMP)
+
+# a .venv copied from another checkout would run that checkout's code: say so and stop
+check-venv:
+	@$(PYTHON) scripts/check_venv.py $(VENV)
 
 # torch (CPU build) first, then DeepSpeed without ops, then the project; a second run is a no-op
 $(STAMP): pyproject.toml
@@ -61,6 +65,10 @@ MLFLOW_PORT ?= 5000
 serve: setup
 	@test -f params.yaml || $(BIN)/hacrl config
 	$(BIN)/hacrl serve --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
+
+# one RL iteration as a Prefect flow run (after `make serve`), followed stage by stage
+iterate: setup
+	$(BIN)/hacrl iterate $(OVERRIDES)
 
 stop:
 	@if [ -x $(BIN)/hacrl ]; then $(BIN)/hacrl stop; fi

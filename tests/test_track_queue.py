@@ -28,8 +28,9 @@ from hacrl import config as config_mod, tracking
 from conftest import SMOKE
 cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
 cfg.tracking.uri = "sqlite:///{tmp_path / 'mlflow.db'}"
-tracking.log_stage(cfg, "compute-capability-stats", 1, {{"p_hat": {{"gpt2-a": 0.25}}}}, 1.5,
-                   project_dir="{tmp_path}", started=1000.0)
+from hacrl.stage_result import StageResult
+res = StageResult({{"p_hat": {{"gpt2-a": 0.25}}}}, agents={{"gpt2-a": {{"p_hat": 0.25}}}}, metrics={{"pooled/n": 3}})
+tracking.log_stage(cfg, "compute-capability-stats", 1, res, 1.5, project_dir="{tmp_path}", started=1000.0)
 assert "mlflow" not in sys.modules, "the stage process imported mlflow"
 print("ok")
 """
@@ -44,12 +45,13 @@ print("ok")
 
     client = MlflowClient(cfg.tracking.uri)
     exp = client.get_experiment_by_name(cfg.experiment.name)
-    runs = client.search_runs([exp.experiment_id], "tags.`hacrl.stage` = 'compute-capability-stats'")
-    assert len(runs) == 1
-    r = runs[0]
-    assert r.data.metrics["p_hat/gpt2-a"] == 0.25 and r.data.metrics["stage_wall_s"] == 1.5
-    # the stage's own times, not the flusher's
-    assert r.info.start_time == 1000_000 and r.info.status == "FINISHED"
+    (r,) = client.search_runs([exp.experiment_id], "tags.`hacrl.kind` = 'iteration'")
+    assert r.data.metrics["wall_s/compute-capability-stats"] == 1.5
+    assert r.data.metrics["compute-capability-stats/pooled/n"] == 3
+    # the stage's own times, not the flusher's; the iteration goes on after this stage
+    assert r.info.start_time == 1000_000 and r.info.status == "RUNNING"
+    (a,) = client.search_runs([exp.experiment_id], "tags.`hacrl.kind` = 'agent'")
+    assert a.info.run_name == "gpt2-a" and a.data.metrics["p_hat"] == 0.25
 
 
 def test_a_refused_record_is_set_aside_and_the_rest_are_logged(tmp_path):
@@ -68,6 +70,7 @@ def test_a_refused_record_is_set_aside_and_the_rest_are_logged(tmp_path):
 
     client = MlflowClient(cfg.tracking.uri)
     exp = client.get_experiment_by_name(cfg.experiment.name)
-    (run,) = client.search_runs([exp.experiment_id], "tags.`hacrl.stage` = 'verify-rewards'")
+    (run,) = client.search_runs([exp.experiment_id], "tags.`hacrl.kind` = 'iteration'")
     assert run.info.status == "FAILED" and run.data.tags["hacrl.error"] == "RuntimeError: boom"
+    assert run.data.tags["hacrl.failed_stage"] == "verify-rewards"
     assert run.info.end_time - run.info.start_time == 2000

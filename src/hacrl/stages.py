@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hacrl import data as task_data
 from hacrl.config import Config
+from hacrl.stage_result import Input, Series, StageResult, numbers, shard_inputs
 from hacrl.storage import RunLayout, atomic_path, read_json, without_timings, write_json
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,10 @@ def prepare_data(cfg: Config) -> dict:
                     "levels": {k: sorted({p["level"] for p in v}) for k, v in splits.items()}}
         write_json(tmp / "manifest.json", manifest)
     log.info("task data: %s", manifest["sizes"])
-    return manifest
+    read = [(n, getattr(d, f"{n}_path")) for n in ("train", "heldout") if d.source != "procedural"]
+    return StageResult(manifest, metrics={**numbers(manifest["sizes"], "tasks/"),
+                                          **numbers(skipped, "skipped_rows/")},
+                       inputs=[Input(f"source/{n}", str(p), "source") for n, p in read])
 
 
 def prepare_pool(cfg: Config) -> dict:
@@ -136,7 +140,11 @@ def prepare_pool(cfg: Config) -> dict:
             write_json(tmp / ac.name / "meta.json", {"updates": 0})
     write_json(lay.capability(0), {"iteration": 0, "steps": []})
     write_json(lay.it(0) / "pool.json", without_timings(records))
-    return records
+    names = [a.name for a in cfg.agents]
+    return StageResult(records, agents={a: numbers({k: v for k, v in r.items() if k != "seconds"}) for a, r in records.items()},
+                       inputs=[Input("tasks/train", str(lay.tasks / "train.jsonl"), "warm-up"),
+                               Input("tasks/dev", str(lay.tasks / "dev.jsonl"), "warm-up")],
+                       checkpoints={a: str(lay.checkpoint(0, a)) for a in names})
 
 
 def round_trip_mismatch(tok, texts: list[str]) -> float:
@@ -325,7 +333,8 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> dict:
             return st
 
         done = run_stage(rplan, "rollout", job, release=lambda rel: release_engine(live, rel))
-    return {a.name: done[a.name] for a in cfg.agents}
+    return StageResult({a.name: done[a.name] for a in cfg.agents},
+                       agents={a.name: numbers(done[a.name], "rollout_") for a in cfg.agents})
 
 
 def release_engine(live: dict | None, rel) -> None:
@@ -368,7 +377,14 @@ def verify_rewards(cfg: Config, t: int) -> dict:
             log.info("rewards %s: %s", ac.name, stats[ac.name])
         stats["_killed_workers"] = pool.killed
         stats["_fast_verdicts"] = pool.fast
-    return stats
+    per = {}
+    for a in cfg.agents:
+        counts = stats[a.name]["verdicts"]
+        n = max(1, sum(counts.values()))
+        per[a.name] = {"reward_mean": stats[a.name]["reward_mean"],
+                       **{f"verdict_{k}": v / n for k, v in counts.items()}}
+    return StageResult(stats, agents=per, metrics={"killed_verifier_workers": pool.killed,
+                                                   "fast_path_verdicts": pool.fast})
 
 
 def exchange_and_align(cfg: Config, t: int) -> dict:
@@ -426,7 +442,11 @@ def exchange_and_align(cfg: Config, t: int) -> dict:
                 log.warning("THL %s -> %s: %.1f%% of responses do not survive decode(encode(text)) in the "
                             "learner's tokenizer", producer, learner, 100 * r["round_trip_mismatch"])
     stats["thl"] = residuals
-    return stats
+    # a learner's figures, and the THL residuals of each producer's records in its tokenizer
+    per = {ac.name: {**numbers(stats[ac.name], "learner_"),
+                     **{f"thl_from/{p}/{k}": v for p, row in residuals.items() if ac.name in row
+                        for k, v in numbers(row[ac.name]).items()}} for ac in cfg.agents}
+    return StageResult(stats, agents=per)
 
 
 def compute_capability_stats(cfg: Config, t: int) -> dict:
@@ -440,7 +460,10 @@ def compute_capability_stats(cfg: Config, t: int) -> dict:
     c = cfg.algorithm.capability
     doc = update_history(prev, t, per_agent, c.window, c.omega_min, c.omega_max, c.warmup_steps)
     write_json(lay.capability(t), doc)
-    return doc
+    return StageResult(doc, agents={a.name: {**numbers({"p_hat": doc.get("p_hat", {}).get(a.name)}),
+                                             **numbers(doc.get("omega", {}).get(a.name, {}), "omega/")}
+                                    for a in cfg.agents},
+                       metrics=numbers(doc.get("pooled", {}), "pooled/"))
 
 
 RESCUED_FILE = "rescued_prompts.json"
@@ -517,7 +540,18 @@ def update_policies(cfg: Config, t: int) -> dict:
         done = run_stage(rplan, "update", job)
         stats = {a.name: done[a.name] for a in cfg.agents}
     write_json(lay.update_stats(t), without_timings(stats))
-    return stats
+    names = [a.name for a in cfg.agents]
+    keep = {n: {k: v for k, v in st.items() if k not in ("rescued_so_far", "rescued_prompts", "per_update")}
+            for n, st in stats.items()}
+    return StageResult(
+        stats, agents={n: numbers(keep[n], "train_") for n in names},
+        series={n: Series(int(st.get("total_updates", 0)) - int(st.get("updates", 0)),
+                          {f"train_update_{k}": v for k, v in st.get("per_update", {}).items()})
+                for n, st in stats.items()},
+        inputs=(shard_inputs(lay.rollouts(t), names, "rollouts", t, "training")
+                + shard_inputs(lay.rewards(t), names, "rewards", t, "training")
+                + [Input(f"exchange/it{t}/learner-{n}", str(lay.learner_input(t, n)), "training") for n in names]),
+        checkpoints={n: str(lay.checkpoint(t, n)) for n in names})
 
 
 def standard_error(p: float, n: int) -> float:
@@ -605,7 +639,9 @@ def evaluate(cfg: Config, t: int) -> dict:
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
     write_json(lay.eval_metrics(t), headline_metrics(metrics))
     write_json(lay.history(t), history)
-    return metrics
+    return StageResult(metrics, agents={a: numbers(m) for a, m in metrics["agents"].items()},
+                       evaluated={a.name: str(lay.checkpoint(t, a.name)) for a in cfg.agents},
+                       dataset=Input("heldout", str(lay.tasks / "heldout.jsonl"), "evaluation"))
 
 
 HEADLINE = ("eval_accuracy", "eval_stderr", "train_reward")
@@ -625,7 +661,13 @@ def report(cfg: Config) -> Path:
     lay = _layout(cfg)
     history = read_json(lay.history(cfg.experiment.iterations))
     pool = read_json(lay.it(0) / "pool.json")
-    return write_report(history, pool, Path(cfg.experiment.reports_dir))
+    out = write_report(history, pool, Path(cfg.experiment.reports_dir))
+    reports = Path(cfg.experiment.reports_dir)
+    # what write_report wrote: the files at the top and the plots' tables (not the comparison
+    # suites' or benchmarks' folders that live beside them)
+    files = sorted(p for p in [*reports.glob("*"), *reports.glob("plots/*")] if p.is_file()
+                   and not p.name.startswith("."))
+    return StageResult({"summary": str(out)}, artifacts=[str(p) for p in files])
 
 
 STAGES = {

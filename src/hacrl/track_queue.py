@@ -43,14 +43,18 @@ def tracking_dir(cfg: Config, project_dir: Path) -> Path:
 def enqueue(cfg: Config, project_dir: Path, stage: str, t: int, result: Any, wall_s: float,
             error: BaseException | None, started: float, ended: float) -> Path:
     """Write one stage record to the queue; return its path."""
-    from hacrl.tracking import FLOW_RUN_ENV, git_commit, tracking_uri
+    from hacrl.tracking import FLOW_RUN_ENV, flow_run_url, git_commit, tracking_uri
+
+    from hacrl.stage_result import StageResult
 
     q = tracking_dir(cfg, project_dir) / "queue"
     q.mkdir(parents=True, exist_ok=True)
     record = {"stage": stage, "iteration": t, "result": result, "wall_s": wall_s,
+              "tracked": result.tracked() if isinstance(result, StageResult) else None,
               "error": f"{type(error).__name__}: {error}" if error is not None else None,
               "start_ms": int(started * 1000), "end_ms": int(ended * 1000),
               "git_commit": git_commit(Path(project_dir)), "flow_run_id": os.environ.get(FLOW_RUN_ENV, ""),
+              "flow_run_url": flow_run_url(os.environ.get(FLOW_RUN_ENV, "")),
               "tracking_uri": tracking_uri(cfg, Path(project_dir)),
               "config": dataclasses.asdict(cfg)}
     # the name orders records as they were queued (a later stage of the same iteration sorts after)
@@ -101,6 +105,7 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
     ``timeout_s``: give up waiting for the lock after that long (None: wait as long as it takes).
     """
     from hacrl import config as config_mod
+    from hacrl.stage_result import StageResult
     from hacrl.tracking import Tracker
 
     project_dir = Path(project_dir)
@@ -119,10 +124,13 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
                 key = (rec["git_commit"], rec["flow_run_id"], rec["tracking_uri"], cfg.experiment.name)
                 if key not in trackers:  # one MLflow client per flusher (and commit, flow run, experiment)
                     trackers[key] = Tracker(cfg, project_dir, commit=rec["git_commit"],
-                                            flow_run_id=rec["flow_run_id"], uri=rec["tracking_uri"])
+                                            flow_run_id=rec["flow_run_id"], uri=rec["tracking_uri"],
+                                            flow_run_url_=rec.get("flow_run_url"))
                 tr = trackers[key]
                 tr.cfg = cfg
-                tr.log_stage(rec["stage"], rec["iteration"], rec["result"], rec["wall_s"], rec["error"],
+                result = StageResult.from_record(rec["result"] if isinstance(rec["result"], dict) else {},
+                                                 rec.get("tracked"))
+                tr.log_stage(rec["stage"], rec["iteration"], result, rec["wall_s"], rec["error"],
                              start_ms=rec["start_ms"], end_ms=rec["end_ms"])
             except Exception as e:  # noqa: BLE001 - one bad record must not block the others
                 failed = path.parent / "failed"

@@ -2,20 +2,27 @@
 
 Structure, in one MLflow experiment per ``experiment.name``::
 
-    it{t}                      one run per iteration (params: the resolved config)
-    ├── {stage}@it{t}          one nested run per stage execution (wall time, stage metrics,
-    │                          inputs: the Parquet shards it read, digest = their DVC md5)
-    └── it{t}/{agent}          one nested run per agent (its metrics of iteration t)
+    {experiment}               the experiment's run, across iterations (params: the config;
+    │                          artifacts: the reports; resumed by id, a new one when the config
+    │                          changes what the results are)
+    ├── it{t}                  one nested run per iteration: each stage's wall time (``wall_s/STAGE``)
+    │                          and stage-wide figures at step t; inputs: the files the stages read
+    │                          (digest = their DVC md5), the checkpoints it started from; outputs:
+    │                          the checkpoints it wrote
+    {agent}                    one run per agent, across iterations: every figure of the agent at
+                               step t (held-out accuracy, reward, entropy, KL, clip fractions...),
+                               per-update figures at the learner's update count
 
-``update-policies`` registers each agent's checkpoint as a version of the registered model
-``{experiment}.{agent}``; the version points at the DVC-tracked directory and carries tags for
-the iteration, git commit, DVC hash and Prefect flow-run id; its ``run_id`` is the update run,
-whose inputs are the rollout, reward and learner shards it trained on. ``evaluate`` tags its
-run with the versions it scored. A user goes eval metric -> model version -> rollout shards ->
-config in the UI.
+Each checkpoint (iteration 0's pool and every update) is an external MLflow logged model
+``{agent}-it{t}`` (the weights stay in the DVC workspace; tags: path, DVC hash, iteration, git
+commit, Prefect flow run; params: the config). Its held-out figures are logged with its model id
+and the held-out dataset, so the experiment's Models tab ranks checkpoints by accuracy; its
+source run is the iteration's run, whose inputs are the rollout, reward and learner shards it
+was trained on. With ``tracking.register_models`` each is also a version of the registered model
+``{experiment}.{agent}`` with alias ``it{t}``.
 
-Which MLflow run is "the current run of iteration t" is kept outside the DVC outputs (in
-``runs/.tracking/``), so tracking ids never make two otherwise identical artifacts differ.
+Which MLflow runs are current is kept outside the DVC outputs (``runs/.tracking/runs.json``),
+so tracking ids never make two otherwise identical artifacts differ.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config import Config
+from hacrl.stage_result import Input, StageResult
 from hacrl.storage import RunLayout, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,42 @@ def experiment_id(client, cfg: Config, project_dir: Path) -> str:
         return client.create_experiment(name, artifact_location=art)
     except MlflowException:  # another stage process created it meanwhile
         return client.get_experiment_by_name(name).experiment_id
+
+
+def foreign_store(cfg: Config, project_dir: Path) -> str | None:
+    """One line saying so when the project's own MLflow store (``mlflow.db``) was made in another
+    directory (a workspace copied with ``cp -a``): its experiments keep their absolute artifact
+    locations, so logging here would write into the other directory. ``None`` when the store is
+    this directory's, absent, or chosen explicitly (``tracking.uri``, ``$MLFLOW_TRACKING_URI``).
+    Reads the sqlite file directly: no MLflow import."""
+    import sqlite3
+    import urllib.parse
+
+    if cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    project = Path(project_dir).resolve()
+    db = project / "mlflow.db"
+    if not db.is_file():
+        return None
+    try:
+        con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT name, artifact_location FROM experiments").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    for name, loc in rows:
+        u = urllib.parse.urlparse(loc or "")
+        if u.scheme != "file":
+            continue
+        path = Path(urllib.parse.unquote(u.path))
+        if not path.is_relative_to(project):
+            home = next((p for p in path.parents if (p / "mlflow.db").exists()), path.parent)
+            return (f"mlflow.db belongs to {home} (experiment {name!r} keeps its artifacts in {path}): this "
+                    f"workspace was copied; MLflow logging is off here until you remove mlflow.db and "
+                    f"{cfg.tracking.artifact_dir}/ (a fresh store) or set tracking.uri")
+    return None
 
 
 def runs_url(ui: str, cfg: Config, project_dir: Path) -> str:
@@ -127,18 +171,40 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _numbers(d: dict, keys: tuple[str, ...] | None = None) -> dict[str, float]:
-    return {k: float(v) for k, v in d.items()
-            if (keys is None or k in keys) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+def config_digest(cfg: Config) -> str:
+    """A digest of what decides the experiment's results: the config without the iteration
+    count (the flow extends an experiment by one iteration at a time), the tracking and
+    orchestration settings, and the device inventory (where a job runs does not change its
+    result). A changed digest starts a new experiment run."""
+    import json
+
+    d = dataclasses.asdict(cfg)
+    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "iterations"}
+    for k in ("tracking", "orchestration", "resources"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def flow_run_url(flow_run_id: str, ui: str | None = None) -> str:
+    """The Prefect UI page of a flow run (``ui``: default ``$PREFECT_UI_URL`` or the API URL
+    without ``/api``); empty without a flow run or a Prefect server."""
+    if not flow_run_id:
+        return ""
+    ui = ui or os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else ""
 
 
 class Tracker:
-    """Logs one stage execution to MLflow; see the module docstring for the run structure."""
+    """Logs one stage execution to MLflow; see the module docstring for the run structure.
+
+    Every stage is logged the same way, from its :class:`hacrl.stage_result.StageResult`.
+    """
 
     def __init__(self, cfg: Config, project_dir: str | os.PathLike = ".", commit: str | None = None,
-                 flow_run_id: str | None = None, uri: str | None = None) -> None:
-        """``commit``, ``flow_run_id``, ``uri``: as they were when the stage ran (a queued record
-        is logged later, maybe after a commit or from another shell); default: as they are now."""
+                 flow_run_id: str | None = None, uri: str | None = None, flow_run_url_: str | None = None) -> None:
+        """``commit``, ``flow_run_id``, ``uri``, ``flow_run_url_``: as they were when the stage ran
+        (a queued record is logged later, maybe after a commit or from another shell); default:
+        as they are now."""
         from mlflow.tracking import MlflowClient
 
         self.cfg = cfg
@@ -146,48 +212,109 @@ class Tracker:
         self.uri = uri or tracking_uri(cfg, self.project)
         self.client = MlflowClient(self.uri)
         self.layout = RunLayout(self.project / cfg.experiment.runs_dir)
-        self.experiment_id = self._experiment()
+        self.experiment_id = experiment_id(self.client, cfg, self.project)
         self.commit = git_commit(self.project) if commit is None else commit
         self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "") if flow_run_id is None else flow_run_id
-        self._agent_runs: dict[tuple[str, str], str] = {}  # one search per agent, not per metric
+        self.flow_run_url = flow_run_url(self.flow_run_id) if flow_run_url_ is None else flow_run_url_
+        self._hashes: dict[str, str] = {}
 
     # ------------------------------------------------------------------ runs
-    def _experiment(self) -> str:
-        return experiment_id(self.client, self.cfg, self.project)
-
-    def _base_tags(self, t: int) -> dict[str, str]:
-        tags = {"hacrl.experiment": self.cfg.experiment.name, "hacrl.iteration": str(t),
-                "hacrl.algorithm": self.cfg.algorithm.name, "hacrl.git_commit": self.commit,
-                "hacrl.workspace": str(self.project), "hacrl.launcher": "prefect" if self.flow_run_id else "cli"}
+    def _base_tags(self) -> dict[str, str]:
+        tags = {"hacrl.experiment": self.cfg.experiment.name, "hacrl.algorithm": self.cfg.algorithm.name,
+                "hacrl.git_commit": self.commit, "hacrl.config_digest": config_digest(self.cfg)}
         if self.flow_run_id:
             tags["hacrl.prefect_flow_run_id"] = self.flow_run_id
+        if self.flow_run_url:
+            tags["hacrl.prefect_flow_run_url"] = self.flow_run_url
         return tags
 
-    def _pointer(self, t: int) -> Path:
-        return self.layout.runs / ".tracking" / f"it{t}.json"
+    def _pointer(self) -> Path:
+        return self.layout.runs / ".tracking" / "runs.json"
 
-    def iteration_run(self, t: int, reuse_finished: bool = False, start_ms: int | None = None) -> str:
-        """The open MLflow run of iteration t, created (with the config as params) if none is open.
+    def _runs(self) -> dict:
+        ptr = self._pointer()
+        return read_json(ptr) if ptr.exists() else {}
 
-        A finished iteration whose stages run again (a changed param, a forced rerun) gets a new
-        run, tagged with the one it supersedes (``reuse_finished``: attach to it instead).
-        """
-        ptr = self._pointer(t)
-        previous = None
-        if ptr.exists():
-            previous = read_json(ptr).get("run_id")
-            try:
-                if reuse_finished or self.client.get_run(previous).info.status == "RUNNING":
-                    return previous
-            except Exception:  # deleted in the UI, or another store: start afresh
-                previous = None
-        tags = {**self._base_tags(t), "mlflow.runName": f"it{t}", "hacrl.kind": "iteration"}
+    def _alive(self, run_id: str | None) -> bool:
+        if not run_id:
+            return False
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except Exception:  # deleted in the UI, or another store
+            return False
+
+    def _open(self, run_id: str) -> None:
+        if self.client.get_run(run_id).info.status != "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+
+    def experiment_run(self, start_ms: int | None = None) -> str:
+        """The experiment's run, across iterations (resumed by id), created with the config as
+        params. A config that decides other results (:func:`config_digest`) gets a new run,
+        tagged with the one it supersedes; so do its agents' runs."""
+        doc = self._runs()
+        digest = config_digest(self.cfg)
+        if doc.get("digest") == digest and self._alive(doc.get("experiment_run")):
+            self._open(doc["experiment_run"])
+            return doc["experiment_run"]
+        tags = {**self._base_tags(), "mlflow.runName": self.cfg.experiment.name, "hacrl.kind": "experiment",
+                "hacrl.workspace": str(self.project)}
+        if doc.get("experiment_run"):
+            tags["hacrl.supersedes"] = doc["experiment_run"]
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        self._log_params(run_id, flatten(dataclasses.asdict(self.cfg)))
+        write_json(self._pointer(), {"experiment_id": self.experiment_id, "digest": digest,
+                                     "experiment_run": run_id, "agents": {}, "iterations": {}})
+        return run_id
+
+    def agent_run(self, agent: str, start_ms: int | None = None) -> str:
+        """The run of ``agent`` across iterations: its figures at step t, one line per agent on
+        a chart of any of them. Top-level (not nested), so every chart shows it."""
+        exp = self.experiment_run(start_ms)
+        doc = self._runs()
+        run_id = doc["agents"].get(agent)
+        if self._alive(run_id):
+            self._open(run_id)
+            return run_id
+        ac = self.cfg.agent(agent)
+        tags = {**self._base_tags(), "mlflow.runName": agent, "hacrl.kind": "agent", "hacrl.agent": agent,
+                "hacrl.experiment_run": exp}
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        self._log_params(run_id, flatten(dataclasses.asdict(ac)))
+        doc["agents"][agent] = run_id
+        write_json(self._pointer(), doc)
+        return run_id
+
+    def iteration_run(self, t: int, start_ms: int | None = None) -> str:
+        """The run of iteration t, nested in the experiment's run: each stage's wall time, the
+        files the stages read (dataset inputs), the checkpoints in and out (logged models).
+
+        A failed iteration resumes in its run (the failures it had stay as tags: their count and
+        the last one); one whose stages run again after it finished (a forced rerun) gets a new
+        run, tagged with the one it supersedes."""
+        exp = self.experiment_run(start_ms)
+        doc = self._runs()
+        previous = doc["iterations"].get(str(t))
+        if self._alive(previous):
+            run = self.client.get_run(previous)
+            if run.info.status == "RUNNING":
+                return previous
+            if run.info.status == "FAILED":
+                tags = run.data.tags
+                self.client.set_tag(previous, "hacrl.failures", str(int(tags.get("hacrl.failures", "0")) + 1))
+                self.client.set_tag(previous, "hacrl.last_failure",
+                                    f"{tags.get('hacrl.failed_stage', '?')}: {tags.get('hacrl.error', '')}"[:5000])
+                for k in ("hacrl.failed_stage", "hacrl.error"):
+                    if k in tags:
+                        self.client.delete_tag(previous, k)
+                self.client.update_run(previous, status="RUNNING")
+                return previous
+        tags = {**self._base_tags(), "mlflow.runName": f"it{t}", "mlflow.parentRunId": exp,
+                "hacrl.kind": "iteration", "hacrl.iteration": str(t)}
         if previous:
             tags["hacrl.supersedes"] = previous
         run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
-        params = flatten(dataclasses.asdict(self.cfg))
-        self._log_params(run_id, params)
-        write_json(ptr, {"run_id": run_id, "experiment_id": self.experiment_id})
+        doc["iterations"][str(t)] = run_id
+        write_json(self._pointer(), doc)
         return run_id
 
     def _log_params(self, run_id: str, params: dict[str, str]) -> None:
@@ -197,202 +324,195 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i:i + 100])
 
-    def _child(self, parent: str, name: str, t: int, kind: str, extra: dict | None = None,
-               start_ms: int | None = None) -> str:
-        tags = {**self._base_tags(t), "mlflow.runName": name, "mlflow.parentRunId": parent,
-                "hacrl.kind": kind, **(extra or {})}
-        return self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
-
-    def agent_run(self, parent: str, t: int, agent: str) -> str:
-        """The nested run of ``agent`` under iteration run ``parent`` (created once)."""
-        key = (parent, agent)
-        if key not in self._agent_runs:
-            self._agent_runs[key] = self._find_or_create_agent_run(parent, t, agent)
-        return self._agent_runs[key]
-
-    def _find_or_create_agent_run(self, parent: str, t: int, agent: str) -> str:
-        found = self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`hacrl.agent` = '{agent}'",
-            max_results=1)
-        if found:
-            return found[0].info.run_id
-        return self._child(parent, f"it{t}/{agent}", t, "agent", {"hacrl.agent": agent})
-
-    def _metrics(self, run_id: str, values: dict[str, float], step: int) -> None:
+    def _metrics(self, run_id: str, values: dict[str, float], step: int, when_ms: int | None = None,
+                 model_id: str | None = None, dataset: tuple[str, str] | None = None) -> None:
         import math
         import time
 
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        ms = [Metric(sanitize(k), float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
+        now = when_ms or int(time.time() * 1000)
+        name, digest = dataset or (None, None)
+        ms = [Metric(sanitize(k), float(v), now, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+              for k, v in values.items() if math.isfinite(float(v))]
         for i in range(0, len(ms), 500):
             self.client.log_batch(run_id, metrics=ms[i:i + 500])
 
-    def _inputs(self, run_id: str, paths: list[tuple[str, Path]], context: str) -> None:
+    def _hash(self, path: Path) -> str:
+        key = str(path.resolve())
+        if key not in self._hashes:
+            self._hashes[key] = dvc_hash(path)
+        return self._hashes[key]
+
+    def _dataset(self, inp: Input):
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.data.sources import LocalArtifactDatasetSource
+
+        path = self.project / inp.path
+        return MetaDataset(LocalArtifactDatasetSource(str(path.resolve())), name=inp.name, digest=self._hash(path))
+
+    def _inputs(self, run_id: str, inputs: list[Input]) -> None:
         from mlflow.entities import DatasetInput, InputTag
 
-        inputs = []
-        for name, path in paths:
-            ds = MetaDataset(LocalArtifactDatasetSource(str(path.resolve())), name=name, digest=dvc_hash(path))
-            inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
-        if inputs:
-            self.client.log_inputs(run_id, datasets=inputs)
+        ds = [DatasetInput(self._dataset(i)._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", i.context)])
+              for i in inputs if (self.project / i.path).exists()]
+        if ds:
+            self.client.log_inputs(run_id, datasets=ds)
 
     # ------------------------------------------------------------------ stages
     def log_stage(self, stage: str, t: int, result: Any, wall_s: float, error: str | None = None,
                   start_ms: int | None = None, end_ms: int | None = None) -> str:
-        """Record one execution of ``stage`` for iteration ``t`` (``result``: the stage's return;
-        ``error``: ``"Type: message"`` of a failed one; ``start_ms``/``end_ms``: the stage's own
-        wall-clock times, default now)."""
-        if stage == "report":
-            t = self.cfg.experiment.iterations
-        parent = self.iteration_run(t, reuse_finished=stage == "report", start_ms=start_ms)
-        run_id = self._child(parent, f"{stage}@it{t}", t, "stage", {"hacrl.stage": stage}, start_ms=start_ms)
-        self._metrics(run_id, {"stage_wall_s": wall_s}, t)
+        """Record one execution of ``stage`` for iteration ``t``; return the iteration's run id.
+
+        ``result``: the stage's :class:`~hacrl.stage_result.StageResult` (a plain mapping is
+        logged as a result without tracked figures); ``error``: ``"Type: message"`` of a failed
+        stage; ``start_ms``/``end_ms``: the stage's own wall-clock times, default now.
+        """
+        res = result if isinstance(result, StageResult) else StageResult(result if isinstance(result, dict) else {})
+        if stage == "report":  # the experiment's own: its curves and tables
+            run_id = self.experiment_run(start_ms)
+            self._metrics(run_id, {"wall_s/report": wall_s}, self.cfg.experiment.iterations, end_ms)
+            self._fail_or_finish(run_id, stage, error, end_ms, close=error is None)
+            if error is None:
+                for f in res.artifacts:
+                    rel = Path(f).parent.relative_to(self.cfg.experiment.reports_dir) \
+                        if Path(f).is_relative_to(self.cfg.experiment.reports_dir) else Path()
+                    self.client.log_artifact(run_id, str(self.project / f), str(Path("reports") / rel))
+            return run_id
+        it_run = self.iteration_run(t, start_ms)
+        if self.flow_run_id:  # the flow run that ran this stage (a resumed iteration: the latest)
+            self.client.set_tag(it_run, "hacrl.prefect_flow_run_id", self.flow_run_id)
+            if self.flow_run_url:
+                self.client.set_tag(it_run, "hacrl.prefect_flow_run_url", self.flow_run_url)
+        self._metrics(it_run, {f"wall_s/{stage}": wall_s}, t, end_ms)
         if error is not None:
+            self._fail_or_finish(it_run, stage, error, end_ms)
+            return it_run
+        self._metrics(it_run, {f"{stage}/{k}": v for k, v in res.metrics.items()}, t, end_ms)
+        self._inputs(it_run, res.inputs)
+        self._log_checkpoints(it_run, t, res.checkpoints, stage)
+        dataset = None
+        if res.dataset is not None and res.evaluated:
+            self._inputs(it_run, [res.dataset])
+            dataset = (res.dataset.name, self._hash(self.project / res.dataset.path))
+        evaluated = {a: self._model_of(a, t, Path(p)) for a, p in res.evaluated.items()}
+        if any(evaluated.values()):
+            from mlflow.entities import LoggedModelInput
+
+            self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in evaluated.values() if m])
+        for agent, values in res.agents.items():
+            self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent),
+                          dataset=dataset if evaluated.get(agent) else None)
+        for agent, ser in res.series.items():
+            run = self.agent_run(agent, start_ms)
+            for m in range(max(map(len, ser.values.values()), default=0)):
+                self._metrics(run, {k: v[m] for k, v in ser.values.items() if m < len(v) and v[m] is not None},
+                              ser.first_step + m, end_ms)
+        if stage == "evaluate":  # the iteration is complete: its run and the long-lived ones pause
+            self._fail_or_finish(it_run, stage, None, end_ms, close=True)
+        return it_run
+
+    def _fail_or_finish(self, run_id: str, stage: str, error: str | None, end_ms: int | None,
+                        close: bool = False) -> None:
+        """A failed stage fails its run (stage and reason as tags); a completed iteration (or
+        report) finishes its run, the experiment's and the agents' (they reopen with the next
+        stage that logs)."""
+        if error is not None:
+            self.client.set_tag(run_id, "hacrl.failed_stage", stage)
             self.client.set_tag(run_id, "hacrl.error", str(error)[:5000])
             self.client.set_terminated(run_id, "FAILED", end_time=end_ms)
-            return run_id
-        handler = getattr(self, "_on_" + stage.replace("-", "_"), None)
-        if handler is not None:
-            handler(parent, run_id, t, result if isinstance(result, dict) else {})
-        self.client.set_terminated(run_id, "FINISHED", end_time=end_ms)
-        if stage == "evaluate":  # the iteration is complete: close it and its agent runs
-            for a in self.cfg.agents:
-                self.client.set_terminated(self.agent_run(parent, t, a.name), "FINISHED", end_time=end_ms)
-            self.client.set_terminated(parent, "FINISHED", end_time=end_ms)
-        return run_id
+            return
+        if close:
+            doc = self._runs()
+            for rid in {run_id, doc.get("experiment_run"), *doc.get("agents", {}).values()}:
+                if self._alive(rid):
+                    self.client.set_terminated(rid, "FINISHED", end_time=end_ms)
 
-    def _per_agent(self, parent: str, run_id: str, t: int, values: dict[str, dict[str, float]],
-                   prefix: str = "") -> None:
-        flat = {}
-        for agent, vals in values.items():
-            self._metrics(self.agent_run(parent, t, agent), {prefix + k: v for k, v in vals.items()}, t)
-            flat.update({f"{agent}/{prefix}{k}": v for k, v in vals.items()})
-        self._metrics(run_id, flat, t)
-
-    def _agents(self, result: dict) -> dict[str, dict]:
-        names = {a.name for a in self.cfg.agents}
-        return {k: v for k, v in result.items() if k in names and isinstance(v, dict)}
-
-    def _shards(self, folder: Path, kind: str) -> list[tuple[str, Path]]:
-        return [(f"{kind}/it{folder.parent.name[2:]}/{a.name}", folder / f"{a.name}.parquet")
-                for a in self.cfg.agents if (folder / f"{a.name}.parquet").exists()]
-
-    def _on_prepare_pool(self, parent, run_id, t, result) -> None:
-        self._per_agent(parent, run_id, t, {a: {"params": r.get("params", 0),
-                                                "vocab": r.get("vocab", 0),
-                                                "round_trip_mismatch": r.get("round_trip_mismatch", 0)}
-                                            for a, r in self._agents(result).items()})
-        self._register(parent, run_id, t)
-
-    def _on_generate_rollouts(self, parent, run_id, t, result) -> None:
-        self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()}, "rollout_")
-        self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts"), "rollouts")
-
-    def _on_verify_rewards(self, parent, run_id, t, result) -> None:
-        per = {}
-        for a, r in self._agents(result).items():
-            n = max(1, sum(r.get("verdicts", {}).values()))
-            per[a] = {"reward_mean": r["reward_mean"],
-                      **{f"verdict_{k}": v / n for k, v in r.get("verdicts", {}).items()}}
-        self._per_agent(parent, run_id, t, per)
-        self._metrics(run_id, {"killed_verifier_workers": result.get("_killed_workers", 0),
-                               "fast_path_verdicts": result.get("_fast_verdicts", 0)}, t)
-        self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts"), "rollouts")
-
-    def _on_exchange_and_align(self, parent, run_id, t, result) -> None:
-        self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()}, "learner_")
-        # THL residuals per (producer, learner) pair, on the stage run
-        self._metrics(run_id, {f"thl/{p}/{ln}/{k}": v for p, row in result.get("thl", {}).items()
-                               for ln, r in row.items() for k, v in _numbers(r).items()}, t)
-        self._inputs(run_id, [(f"exchange/it{t}/published/{a.name}/{k}", self.layout.published(t, a.name, k))
-                              for a in self.cfg.agents for k in ("trajectory", "verified_success", "reward_stats")
-                              if self.layout.published(t, a.name, k).exists()], "published")
-
-    def _on_compute_capability_stats(self, parent, run_id, t, result) -> None:
-        vals = {f"p_hat/{a}": v for a, v in result.get("p_hat", {}).items()}
-        for i, row in result.get("omega", {}).items():
-            vals.update({f"omega/{i}/{j}": v for j, v in row.items()})
-        vals.update({f"pooled/{k}": v for k, v in _numbers(result.get("pooled", {})).items()})
-        self._metrics(run_id, vals, t)
-
-    def _on_update_policies(self, parent, run_id, t, result) -> None:
-        self._per_agent(parent, run_id, t, {a: _numbers(r) for a, r in self._agents(result).items()},
-                        "train_")
-        for a, r in self._agents(result).items():  # the loss's own figures per update m of the step
-            per = r.get("per_update", {})
-            for m in range(max(map(len, per.values()), default=0)):
-                self._metrics(self.agent_run(parent, t, a), {f"train_update_{k}": v[m] for k, v in per.items()
-                                                             if m < len(v) and v[m] is not None}, m)
-        self._inputs(run_id, self._shards(self.layout.rollouts(t), "rollouts")
-                     + self._shards(self.layout.rewards(t), "rewards")
-                     + [(f"exchange/it{t}/learner-{a.name}", self.layout.learner_input(t, a.name))
-                        for a in self.cfg.agents if self.layout.learner_input(t, a.name).exists()], "training")
-        self._register(parent, run_id, t)
-
-    def _on_evaluate(self, parent, run_id, t, result) -> None:
-        per = {}
-        for a, m in result.get("agents", {}).items():
-            per[a] = {**_numbers(m), **{f"by_level/{k}": v for k, v in m.get("by_level", {}).items()}}
-        self._per_agent(parent, run_id, t, per)
-        for a in self.cfg.agents:
-            version = self._version_of(a.name, t)
-            if version is not None:
-                self.client.set_tag(run_id, f"hacrl.model_version.{a.name}", version)
-                self.client.set_tag(self.agent_run(parent, t, a.name), "hacrl.model_version", version)
-
-    def _on_report(self, parent, run_id, t, result) -> None:
-        reports = self.project / self.cfg.experiment.reports_dir
-        for f in sorted(reports.glob("*")):
-            if f.is_file() and not f.name.startswith("."):
-                self.client.log_artifact(run_id, str(f), "reports")
-        if (reports / "plots").is_dir():
-            self.client.log_artifacts(run_id, str(reports / "plots"), "reports/plots")
-
-    # ------------------------------------------------------------------ model registry
+    # ------------------------------------------------------------------ logged models
     def model_name(self, agent: str) -> str:
+        """The registered model of ``agent``'s checkpoints: ``{experiment}.{agent}``."""
         return f"{self.cfg.experiment.name}.{agent}"
 
-    def _register(self, parent: str, run_id: str, t: int) -> None:
+    def _model_of(self, agent: str, t: int, ckpt: Path) -> str | None:
+        """The logged model of ``agent``'s checkpoint of iteration t whose DVC hash is on disk."""
+        path = self.project / ckpt
+        if not path.is_dir():
+            return None
+        h = self._hash(path)
+        found = self.client.search_logged_models(
+            [self.experiment_id], filter_string=f"name = '{sanitize(agent)}-it{int(t)}'", max_results=50)
+        ids = [m.model_id for m in found if m.tags.get("hacrl.dvc_hash") == h]
+        return ids[0] if ids else None
+
+    def _log_checkpoints(self, it_run: str, t: int, checkpoints: dict[str, str], stage: str) -> None:
+        """Each checkpoint written as an external MLflow logged model (the weights stay in the
+        DVC workspace), an output of the iteration's run; the checkpoints it started from, its
+        inputs; registered (``tracking.register_models``) as a version with alias ``itT``."""
+        import tempfile
+
+        from mlflow.entities import LoggedModelInput, LoggedModelOutput, LoggedModelStatus
+        from mlflow.models.utils import get_external_mlflow_model_spec
+        from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+        if not checkpoints:
+            return
+        parents = [m for a in checkpoints if t > 0 for m in [self._model_of(a, t - 1, self.layout.checkpoint(t - 1, a))]
+                   if m]
+        if parents:
+            self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in parents])
+        params = flatten(dataclasses.asdict(self.cfg))
+        outs = []
+        for agent, ckpt in checkpoints.items():
+            path = self.project / ckpt
+            if not path.is_dir():
+                continue
+            rel = path.relative_to(self.project).as_posix()
+            tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "hacrl.agent": agent, "hacrl.iteration": str(t),
+                    "hacrl.checkpoint": rel, "hacrl.checkpoint_uri": path.as_uri(), "hacrl.dvc_hash": self._hash(path),
+                    "hacrl.dvc_out": rel.rsplit("/", 1)[0], "hacrl.stage": f"{stage}@it{t}",
+                    **{k: v for k, v in self._base_tags().items() if k != "hacrl.experiment"}}
+            model = self.client.create_logged_model(self.experiment_id, name=f"{sanitize(agent)}-it{t}",
+                                                    source_run_id=it_run, tags=tags, model_type="hacrl-agent")
+            self.client.log_model_params(model.model_id, params)
+            with tempfile.TemporaryDirectory() as tmp:  # an MLmodel file saying the weights live elsewhere
+                get_external_mlflow_model_spec(model).save(os.path.join(tmp, "MLmodel"))
+                self.client.log_model_artifacts(model.model_id, tmp)
+            self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+            outs.append(LoggedModelOutput(model.model_id, t))
+            self._register(agent, t, model)
+            doc = self._runs()
+            doc.setdefault("models", {})[f"{agent}@it{t}"] = model.model_id
+            write_json(self._pointer(), doc)
+        if outs:
+            self.client.log_outputs(it_run, outs)
+
+    def _register(self, agent: str, t: int, model) -> None:
         from mlflow.exceptions import MlflowException
 
         if not self.cfg.tracking.register_models:
             return
-        for a in self.cfg.agents:
-            ckpt = self.layout.checkpoint(t, a.name)
-            if not ckpt.is_dir():
-                continue
-            name = self.model_name(a.name)
-            try:
-                self.client.create_registered_model(name, tags={"hacrl.agent": a.name})
-            except MlflowException:
-                pass  # exists already
-            tags = {"iteration": str(t), "git_commit": self.commit, "dvc_hash": dvc_hash(ckpt),
-                    "dvc_out": f"{self.cfg.experiment.runs_dir}/it{t}/checkpoints",
-                    "dvc_out_hash": dvc_hash(ckpt.parent), "prefect_flow_run_id": self.flow_run_id or "none",
-                    "agent": a.name, "iteration_run_id": parent}
-            mv = self.client.create_model_version(name, source=ckpt.resolve().as_uri(), run_id=run_id, tags=tags,
-                                                  description=f"{a.name} after iteration {t}")
-            self.client.set_tag(self.agent_run(parent, t, a.name), "hacrl.model_version", f"{name}/{mv.version}")
-            self.client.set_tag(run_id, f"hacrl.model_version.{a.name}", f"{name}/{mv.version}")
-
-    def _version_of(self, agent: str, t: int) -> str | None:
-        """The newest registered version of ``agent`` whose DVC hash is the checkpoint on disk."""
-        ckpt = self.layout.checkpoint(t, agent)
-        if not ckpt.is_dir():
-            return None
-        h = dvc_hash(ckpt)
         name = self.model_name(agent)
-        versions = self.client.search_model_versions(
-            f"name = '{name}' and tags.dvc_hash = '{h}' and tags.iteration = '{t}'")
-        if not versions:
-            return None
-        return f"{name}/{max(int(v.version) for v in versions)}"
+        try:
+            self.client.create_registered_model(name, tags={"hacrl.agent": agent},
+                                                description=f"{agent}'s checkpoints, one version per iteration "
+                                                            f"(alias itT), weights in the DVC workspace")
+        except MlflowException:
+            pass  # exists already
+        import mlflow
+
+        # a ``models:/<id>`` source links the version to the logged model; MLflow resolves it with
+        # the global tracking URI, so that is this store's for the call
+        before = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            mv = self.client.create_model_version(
+                name, source=f"models:/{model.model_id}", run_id=model.source_run_id,
+                tags={k.removeprefix("hacrl."): v for k, v in model.tags.items() if k.startswith("hacrl.")},
+                description=f"{agent} after iteration {t}", model_id=model.model_id)
+        finally:
+            mlflow.set_tracking_uri(before)
+        self.client.set_registered_model_alias(name, f"it{t}", mv.version)
+        self.client.set_logged_model_tags(model.model_id, {"hacrl.model_version": f"{name}/{mv.version}"})
 
 
 def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
@@ -407,6 +527,10 @@ def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
         return
     import time
 
+    foreign = foreign_store(cfg, Path(project_dir))
+    if foreign:
+        log.warning("%s", foreign)
+        return
     ended = time.time()
     started = ended - wall_s if started is None else started
     try:

@@ -1,0 +1,69 @@
+"""A workspace copied with `cp -a` neither logs into the original's MLflow store nor runs the
+original's code through its copied virtual environment: each says so in one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import SMOKE
+
+from hacrl import config as config_mod
+from hacrl.stage_result import StageResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch):
+    """`cp -a` keeps mlflow.db, whose experiments hold absolute artifact locations: the copy says
+    so in one line and logs nothing (which would write into the original's folder)."""
+    import shutil
+
+    from hacrl import tracking
+    from hacrl.config import write_params
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    orig = tmp_path / "orig ws"
+    orig.mkdir()
+    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true", "tracking.asynchronous=false"]))
+    assert tracking.foreign_store(cfg, orig) is None  # no store yet
+    tracking.log_stage(cfg, "verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0,
+                       project_dir=orig)
+    assert tracking.foreign_store(cfg, orig) is None  # its own store
+    copy = tmp_path / "copy"
+    shutil.copytree(orig, copy, symlinks=True)
+    msg = tracking.foreign_store(cfg, copy)
+    assert msg.startswith(f"mlflow.db belongs to {orig} (experiment 'smoke' keeps its artifacts in {orig}/mlartifacts")
+    before = (orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()
+    tracking.log_stage(cfg, "verify-rewards", 2, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.6}}), 1.0,
+                       project_dir=copy)
+    assert ((orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()) == before
+    # `hacrl config` there says it in one line
+    write_params(config_mod.compose(SMOKE), copy / "params.yaml")
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=copy, capture_output=True, text=True,
+                       env={k: v for k, v in __import__("os").environ.items() if k != "MLFLOW_TRACKING_URI"})
+    assert p.returncode == 0 and f"hacrl: warning: mlflow.db belongs to {orig}" in p.stderr
+    # an explicitly chosen store is the user's business
+    cfg.tracking.uri = f"sqlite:///{orig / 'mlflow.db'}"
+    assert tracking.foreign_store(cfg, copy) is None
+
+
+
+def test_a_venv_made_for_another_checkout_is_refused_in_one_line(tmp_path):
+    def venv_of(owner: Path) -> Path:
+        d = tmp_path / "ws" / ".venv" / "lib" / "python3.11" / "site-packages" / "hacrl-0.1.0.dist-info"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True}, "url": owner.as_uri()}))
+        return tmp_path / "ws"
+
+    ws = venv_of(tmp_path / "orig ws")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_venv.py"), ".venv"], cwd=ws,
+                       capture_output=True, text=True)
+    assert p.returncode == 1
+    assert p.stderr.strip() == (f"hacrl: error: .venv was made for {tmp_path / 'orig ws'} (it imports that "
+                                f"checkout's code): this directory was copied; remove .venv (rm -rf .venv) "
+                                f"and run make again")
+    venv_of(ws)  # made here: fine
+    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "check_venv.py")], cwd=ws).returncode == 0
+    # this checkout's own venv passes (what `make setup` checks first)
+    assert subprocess.run([sys.executable, "scripts/check_venv.py"], cwd=ROOT).returncode == 0
