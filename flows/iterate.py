@@ -22,8 +22,9 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
 from hacrl import config as config_mod  # noqa: E402
-from hacrl.orchestration import (ITERATION_STAGES, PREPARE_STAGES, device_tags,  # noqa: E402
-                                 gpu_stages, plan_iteration, stage_devices, stage_id, workspace_lock)
+from hacrl.orchestration import (ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
+                                 StageFailed, device_tags, gpu_stages, iteration_markdown, plan_iteration,
+                                 stage_devices, stage_id, workspace_lock)
 from hacrl.resources import plan_for  # noqa: E402
 from tasks.stages import dvc_stage, ensure_device_limits, gpu_stage  # noqa: E402
 
@@ -35,6 +36,37 @@ def _name_run(name: str) -> None:
     if runtime.flow_run.id:
         with get_client(sync_client=True) as client:
             client.update_flow_run(runtime.flow_run.id, name=name)
+
+
+def _track(project: Path, cfg, logger) -> None:
+    """Log the stages' queued MLflow records before the run ends."""
+    if cfg.tracking.enabled:
+        from hacrl import track_queue
+
+        n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=cfg.orchestration.lock_timeout_s)
+        logger.info("MLflow: %d stage records logged by this flow run", n)
+
+
+def _publish(project: Path, cfg, t: int, done: dict[str, str], logger) -> None:
+    """The iteration's accuracy table with links to MLflow, as the flow run's markdown artifact."""
+    from prefect.artifacts import create_markdown_artifact
+
+    md = iteration_markdown(project, cfg, t, done, os.environ.get("HACRL_MLFLOW_UI"))
+    create_markdown_artifact(md, key=f"{_artifact_key(cfg.experiment.name)}-it{t}",
+                             description=f"{cfg.experiment.name}: held-out accuracy after iteration {t}")
+    from hacrl.storage import RunLayout, read_json
+
+    path = RunLayout(project / cfg.experiment.runs_dir).eval_metrics(t)
+    acc = read_json(path)["agents"] if path.exists() else {}
+    logger.info("held-out accuracy after iteration %d: %s", t,
+                ", ".join(f"{a} {100 * m['eval_accuracy']:.1f} %" for a, m in acc.items() if "eval_accuracy" in m))
+
+
+def _artifact_key(name: str) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes."""
+    import re
+
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "experiment"
 
 
 @flow(name="hacrl", log_prints=True)
@@ -68,34 +100,28 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
         ensure_device_limits(sorted({x for v in tags.values() for x in v}))
         on_gpu = gpu_stages(cfg)
+        todo = [(s, s) for s in PREPARE_STAGES if plan.prepare] + [(s, stage_id(s, t)) for s in ITERATION_STAGES]
+        todo += [("report", "report")] if t == plan.configured else []
         done: dict[str, str] = {}
-        if plan.prepare:
-            for s in PREPARE_STAGES:
+        for i, (s, sid) in enumerate(todo, 1):
+            logger.info("stage %d/%d: %s", i, len(todo), sid)
+            opts = dict(name=s, task_run_name=sid, **retry)
+            try:
                 if s in on_gpu:
-                    done[s] = gpu_stage.with_options(name=s, task_run_name=s, tags={*gpu_stage.tags, *tags[s]},
-                                                     **retry)(str(project), s, False, o.gpu_routing, o.gpu_pool,
-                                                              o.gpu_deployment)
+                    done[sid] = gpu_stage.with_options(tags={*gpu_stage.tags, *tags[s]}, **opts)(
+                        str(project), sid, force and s in ITERATION_STAGES, o.gpu_routing, o.gpu_pool,
+                        o.gpu_deployment)
                 else:
-                    done[s] = dvc_stage.with_options(name=s, task_run_name=s, tags={*dvc_stage.tags, *tags[s]},
-                                                     **retry)(str(project), s)
-        for s in ITERATION_STAGES:
-            sid = stage_id(s, t)
-            if s in on_gpu:
-                done[sid] = gpu_stage.with_options(name=s, task_run_name=sid, tags={*gpu_stage.tags, *tags[s]},
-                                                   **retry)(
-                    str(project), sid, force, o.gpu_routing, o.gpu_pool, o.gpu_deployment)
-            else:
-                done[sid] = dvc_stage.with_options(name=s, task_run_name=sid, tags={*dvc_stage.tags, *tags[s]},
-                                                   **retry)(str(project), sid, force)
-        if t == plan.configured:
-            done["report"] = dvc_stage.with_options(name="report", task_run_name="report", **retry)(
-                str(project), "report")
-        if cfg.tracking.enabled:  # the stages' queued MLflow records, logged before the run ends
-            from hacrl import track_queue
-
-            n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=o.lock_timeout_s)
-            logger.info("MLflow: %d stage records logged by this flow run", n)
-    logger.info("iteration %d done: %s", t, done)
+                    done[sid] = dvc_stage.with_options(tags={*dvc_stage.tags, *tags.get(s, ())}, **opts)(
+                        str(project), sid, force and s in ITERATION_STAGES)
+            except StageFailed as e:  # one line: the stage and why (the task's log has the rest)
+                _track(project, cfg, logger)
+                failure = IterationFailed(t, sid, e.reason)
+                logger.error("%s", failure)
+                raise failure from None
+        _track(project, cfg, logger)
+        _publish(project, cfg, t, done, logger)
+    logger.info("iteration %d done: %s", t, ", ".join(f"{s} {what}" for s, what in done.items()))
     return {"iteration": t, "configured": plan.configured, "extended": plan.extended, "stages": done}
 
 

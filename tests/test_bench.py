@@ -13,6 +13,9 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 
+# every suite of `make bench` (`hacrl bench all` at full size), at smoke size:
+# README: make bench
+# README: hacrl bench SUITE
 def _bench(suite, out, *extra):
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "--log-level", "WARNING", "bench", suite,
                         "--size", "smoke", "--reps", "1", "--out", str(out), *extra],

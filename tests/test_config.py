@@ -126,3 +126,19 @@ def test_one_agents_setting_by_name_or_position():
     assert mix[1]["template"] == "Q: {problem}"
     with pytest.raises(ConfigError, match=r"agents\.nope\.warmup\.lr: no agent 'nope' in the pool \(names: gpt2-weak"):
         compose(["agents.nope.warmup.lr=1"])
+
+
+def test_cli_says_its_version_and_lists_the_stages():
+    import subprocess
+    import sys
+
+    from hacrl import __version__
+    from hacrl.cli import STAGE_NAMES
+    from hacrl.stages import STAGES
+
+    assert tuple(STAGES) == STAGE_NAMES
+    env = {**__import__("os").environ, "HACRL_STAGE_SERVER": "0"}
+    v = subprocess.run([sys.executable, "-m", "hacrl.cli", "--version"], capture_output=True, text=True, env=env)
+    assert v.returncode == 0 and v.stdout.strip() == f"hacrl {__version__}"
+    h = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "--help"], capture_output=True, text=True, env=env)
+    assert h.returncode == 0 and all(s in "".join(h.stdout.split()) for s in STAGE_NAMES)  # wrapped at hyphens

@@ -15,6 +15,7 @@ import pytest
 from conftest import SMOKE, dvc_workspace
 
 from hacrl.storage import read_json
+from hacrl.tracking import dvc_hash
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +60,9 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     edges = _run(["dvc", "dag", "--dot"], repo).stdout
     assert re.search(r'"update-policies@it1"\s*->\s*"generate-rollouts@it2"', edges), edges
 
+    # `dvc repro` runs each stage as `hacrl stage NAME --iteration T` (dvc.yaml)
+    # README: dvc repro
+    # README: hacrl stage NAME -t T
     first = _run(["dvc", "repro"], repo).stdout
     ran = _ran(first)
     assert ran[:3] == ["prepare-data", "prepare-pool", "evaluate-warmup"] or \
@@ -71,6 +75,12 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     for png in ("accuracy.png", "reward.png", "entropy.png"):
         assert (repo / "reports" / png).stat().st_size > 1000
     assert _run(["dvc", "plots", "show", "--json"], repo).returncode == 0
+    # README: dvc plots show
+    _run(["dvc", "plots", "show"], repo)
+    assert (repo / "dvc_plots" / "index.html").stat().st_size > 1000
+    # README: dvc metrics show
+    metrics = _run(["dvc", "metrics", "show"], repo).stdout
+    assert "runs/it2/eval_metrics.json" in metrics and "agents.gpt2-a.eval_accuracy" in metrics
 
     second = _run(["dvc", "repro"], repo).stdout
     assert _ran(second) == [], second
@@ -81,8 +91,12 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     assert len(read_json(repo / "reports" / "summary.json")["agents"]["gpt2-a"]["eval_accuracy"]) == 4
 
     # a trainer change makes the updates stale, not the rollouts that came before them
+    _run(["git", "add", "-A"], repo)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "3 iterations"], repo)
     _config(repo, "experiment.iterations=3", "trainer.lr=1e-4")
     stale = json.loads(_run(["dvc", "status", "--json"], repo).stdout)
+    # README: dvc params diff
+    assert "trainer.lr" in _run(["dvc", "params", "diff"], repo).stdout
     assert "update-policies@it1" in stale
     assert not {"prepare-pool", "generate-rollouts@it1", "verify-rewards@it1"} & set(stale)
 
@@ -99,46 +113,43 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     from mlflow.tracking import MlflowClient
 
     # the stages queued their records; `hacrl track` (what `make run` ends with) waits for them
+    # README: hacrl track
     out = _run([sys.executable, "-m", "hacrl.cli", "track"], repo).stdout
     assert "0 still queued" in out, out
     assert not list((repo / "runs" / ".tracking" / "queue").glob("*.json"))
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke").experiment_id
-    evals = client.search_runs([exp], "tags.`hacrl.stage` = 'evaluate'", order_by=["attributes.start_time DESC"])
-    last = evals[0]
-    t = last.data.tags["hacrl.iteration"]
-    assert t == "3" and last.info.status == "FINISHED"
-    assert 0 <= last.data.metrics["gpt2-a/eval_accuracy"] <= 1
-    # eval run -> the registered checkpoint it scored
-    name, version = last.data.tags["hacrl.model_version.gpt2-a"].split("/")
-    mv = client.get_model_version(name, version)
-    ckpt_dir = f"runs/it{t}/checkpoints"
-    assert mv.tags["iteration"] == t and mv.tags["dvc_out_hash"] == _outs(repo, f"update-policies@it{t}")[ckpt_dir]
-    assert mv.source == (repo / ckpt_dir / "gpt2-a").resolve().as_uri()
-    assert mv.tags["prefect_flow_run_id"] == "none"  # launched by dvc repro, not Prefect
-    # checkpoint -> the update run that produced it -> the rollout shards it trained on
-    upd = client.get_run(mv.run_id)
-    assert upd.data.tags["hacrl.stage"] == "update-policies" and upd.data.tags["hacrl.iteration"] == t
-    digests = {d.dataset.name: d.dataset.digest for d in upd.inputs.dataset_inputs}
-    dir_md5 = _outs(repo, f"generate-rollouts@it{t}")[f"runs/it{t}/rollouts"]
+    # one run per agent: its held-out accuracy is a line over iterations 0..3
+    (agent,) = client.search_runs([exp], "tags.`hacrl.kind` = 'agent' and tags.`hacrl.agent` = 'gpt2-a'")
+    hist = {m.step: m.value for m in client.get_metric_history(agent.info.run_id, "eval_accuracy")}
+    assert sorted(hist) == [0, 1, 2, 3] and all(0 <= v <= 1 for v in hist.values())
+    assert {"reward_mean", "train_entropy", "train_clip_frac", "rollout_tokens_per_s"} <= set(agent.data.metrics)
+    assert "train_kl_to_init" not in agent.data.metrics  # no reference model (kl_coef 0): not computed, not 0
+    # the point at step 3 -> the logged model of iteration 3's checkpoint, linked to the held-out set
+    (model,) = client.search_logged_models([exp], filter_string="name = 'gpt2-a-it3'")
+    (point,) = [m for m in model.metrics if m.key == "eval_accuracy"]
+    assert (point.step, point.value, point.dataset_name) == (3, hist[3], "heldout")
+    ckpt_dir = "runs/it3/checkpoints"
+    assert model.tags["hacrl.checkpoint"] == f"{ckpt_dir}/gpt2-a"
+    assert dvc_hash(repo / ckpt_dir) == _outs(repo, "update-policies@it3")[ckpt_dir]  # the hash DVC records
+    assert model.tags["hacrl.dvc_hash"] == dvc_hash(repo / ckpt_dir / "gpt2-a")
+    assert "hacrl.prefect_flow_run_id" not in model.tags  # launched by dvc repro, not Prefect
+    assert client.get_model_version_by_alias("smoke.gpt2-a", "it3").source == f"models:/{model.model_id}"
+    # -> the config it was trained with (the model's params)
+    assert model.params["algorithm.name"] == "grpo" and model.params["rollout.group_size"] == "4"
+    assert model.params["agents.0.name"] == "gpt2-a"
+    # -> its source run, iteration 3, whose inputs are the shards it trained on (DVC's hashes)
+    src = client.get_run(model.source_run_id)
+    assert src.info.run_name == "it3" and src.info.status == "FINISHED"
+    digests = {d.dataset.name: d.dataset.digest for d in src.inputs.dataset_inputs}
+    dir_md5 = _outs(repo, "generate-rollouts@it3")["runs/it3/rollouts"]
     manifest = repo / ".dvc" / "cache" / "files" / "md5" / dir_md5[:2] / dir_md5[2:]
     dvc_files = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
-    for agent in ("gpt2-a", "llama-b"):
-        assert digests[f"rollouts/it{t}/{agent}"] == dvc_files[f"{agent}.parquet"]
-    assert digests.keys() >= {f"rewards/it{t}/gpt2-a", f"exchange/it{t}/learner-gpt2-a"}
-    # -> the config: the iteration run holds the resolved config as params
-    it_run = client.get_run(upd.data.tags["mlflow.parentRunId"])
-    assert it_run.info.run_id == last.data.tags["mlflow.parentRunId"]
-    assert it_run.data.params["algorithm.name"] == "grpo" and it_run.data.params["rollout.group_size"] == "4"
-    assert it_run.data.params["agents.0.name"] == "gpt2-a"
-    # per-agent nested runs with the iteration's metrics
-    agent_runs = client.search_runs([exp], f"tags.mlflow.parentRunId = '{it_run.info.run_id}' "
-                                           "and tags.`hacrl.kind` = 'agent'")
-    assert {r.data.tags["hacrl.agent"] for r in agent_runs} == {"gpt2-a", "llama-b"}
-    for r in agent_runs:
-        assert {"eval_accuracy", "reward_mean", "train_entropy", "train_clip_frac",
-                "rollout_tokens_per_s"} <= set(r.data.metrics)
-        assert "train_kl_to_init" not in r.data.metrics  # no reference model (kl_coef 0): not computed, not 0
+    for name in ("gpt2-a", "llama-b"):
+        assert digests[f"rollouts/it3/{name}"] == dvc_files[f"{name}.parquet"]
+    assert digests.keys() >= {"rewards/it3/gpt2-a", "exchange/it3/learner-gpt2-a", "heldout"}
+    # 1 experiment run, iterations 0..3, 2 agents: 7 runs, not one per stage
+    assert len(client.search_runs([exp])) == 7
 
 
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
@@ -188,3 +199,35 @@ def test_a_fresh_workspace_elsewhere_reproduces_the_committed_lock_for_the_data(
     committed = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]["prepare-data"]
     assert mine["outs"] == committed["outs"]
     assert mine["deps"] == committed["deps"] and mine.get("params") == committed.get("params")
+
+
+def test_a_fresh_clone_reproduces_the_committed_lock_and_leaves_git_clean(tmp_path):
+    """The embedded experiment at a miniature size: run and committed in one workspace, then a
+    git clone elsewhere (a space in its path, no DVC cache) runs `dvc repro` from scratch and
+    `git status` stays clean: every output hash the lock holds came out the same."""
+    a = dvc_workspace(tmp_path / "first", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
+    _config(a, "experiment.iterations=1")
+    _run(["dvc", "repro"], a)
+    _run([sys.executable, "-m", "hacrl.cli", "track"], a)
+    _run(["git", "add", "-A"], a)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "run"], a)
+    assert _run(["git", "status", "--porcelain"], a).stdout == ""
+    b = tmp_path / "clone with space"
+    _run(["git", "clone", "-q", str(a), str(b)], tmp_path)
+    _run(["dvc", "config", "core.analytics", "false"], b)
+    assert not (b / ".dvc" / "cache").exists() and not (b / "runs").exists()
+    ran = _ran(_run(["dvc", "repro"], b).stdout)
+    assert "prepare-pool" in ran and "update-policies@it1" in ran  # everything recomputed
+    _run([sys.executable, "-m", "hacrl.cli", "track"], b)
+    assert _run(["git", "status", "--porcelain"], b).stdout == "", _run(["git", "diff"], b).stdout[-3000:]
+
+
+def test_hacrl_run_writes_what_dvc_tracks_in_one_process(tmp_path):
+    # README: hacrl run
+    ws = dvc_workspace(tmp_path / "inproc", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
+    _config(ws, "experiment.iterations=1", "tracking.enabled=false")
+    p = _run([sys.executable, "-m", "hacrl.cli", "run"], ws)
+    assert set(json.loads(p.stdout)) >= {"prepare-pool", "update-policies", "evaluate", "report"}
+    assert "dvc.lock does not record this run" in p.stderr
+    assert len(read_json(ws / "reports" / "summary.json")["agents"]["gpt2-a"]["eval_accuracy"]) == 2
+    assert not (ws / "dvc.lock").exists()

@@ -141,3 +141,55 @@ def test_task_logs_keep_the_stage_lines_and_drop_dvc_hints_and_progress_bars():
         assert task_log_line(noise) is None, noise
     long = "update a: {" + "'k': 1.0, " * 100 + "}"
     assert len(task_log_line(long)) == LOG_LINE_CHARS + 4
+
+
+def test_a_failed_stage_is_one_line_naming_its_own_error():
+    from hacrl.launch import flow_failure
+    from hacrl.orchestration import IterationFailed, failure_reason
+
+    tail = textwrap.dedent("""\
+        Traceback (most recent call last):
+          File "x.py", line 3, in <module>
+        hacrl.cli.InjectedFault: injected fault in verify-rewards@it2
+        ERROR: failed to reproduce 'verify-rewards@it2': failed to run: hacrl stage ..., exited with 1""")
+    assert failure_reason(tail) == "InjectedFault: injected fault in verify-rewards@it2"
+    assert failure_reason("hacrl: error: trainer.lr: invalid value -1.0\nERROR: failed") == \
+        "trainer.lr: invalid value -1.0"
+    assert failure_reason("nothing raised\nERROR: failed to reproduce x") == "ERROR: failed to reproduce x"
+    assert StageFailed("s@it1", 1, tail).reason == "InjectedFault: injected fault in verify-rewards@it2"
+    e = IterationFailed(2, "verify-rewards@it2", "InjectedFault: boom")
+    assert str(e) == "iteration 2 failed at verify-rewards@it2: InjectedFault: boom"
+    # what Prefect makes of it in the flow run's state message, and back
+    assert flow_failure(f"Flow run encountered an exception: IterationFailed: {e}") == str(e)
+
+
+def test_the_flow_runs_report_links_accuracy_to_checkpoints_and_mlflow(tmp_path):
+    from conftest import SMOKE
+
+    from hacrl import config as config_mod
+    from hacrl.orchestration import iteration_markdown
+    from hacrl.storage import write_json
+
+    cfg = config_mod.from_dict(config_mod.compose(SMOKE))
+    write_json(tmp_path / "runs" / "it2" / "eval_metrics.json",
+               {"iteration": 2, "agents": {"gpt2-a": {"eval_accuracy": 0.25, "eval_stderr": 0.04, "train_reward": 0.5}}})
+    write_json(tmp_path / "runs" / ".tracking" / "runs.json",
+               {"experiment_id": "7", "iterations": {"2": "r2"}, "models": {"gpt2-a@it2": "m-1"}})
+    md = iteration_markdown(tmp_path, cfg, 2, {"generate-rollouts@it2": "ran"}, "http://127.0.0.1:5000/")
+    assert "| gpt2-a | 25.0 % | 4.0 % | 0.500 | `runs/it2/checkpoints/gpt2-a` | " \
+           "[gpt2-a-it2](http://127.0.0.1:5000/#/experiments/7/models/m-1) |" in md
+    assert "| llama-b | – | – | – |" in md  # not evaluated: a dash, not 0
+    assert "[iteration run it2](http://127.0.0.1:5000/#/experiments/7/runs/r2)" in md
+    assert "generate-rollouts@it2 ran" in md
+    # without an MLflow UI: the ids
+    assert "gpt2-a-it2 (`m-1`)" in iteration_markdown(tmp_path, cfg, 2, {}, None)
+
+
+def test_hacrl_iterate_without_services_says_so_and_starts_no_server(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "iterate", "--project", str(tmp_path)], cwd=tmp_path,
+                       capture_output=True, text=True, env={**env, "HOME": str(tmp_path)})
+    assert p.returncode == 1 and p.stderr.strip().startswith("hacrl: error: no Prefect server: run `make serve`")
+    assert not list(tmp_path.rglob("*.db"))  # no throwaway Prefect server (and its database)

@@ -25,6 +25,7 @@ import pytest
 
 from conftest import SMOKE, dvc_workspace
 
+from hacrl.launch import flow_failure
 from hacrl.orchestration import ITERATION_STAGES, workspace_lock
 from hacrl.services import client_env
 
@@ -38,6 +39,7 @@ CONFIG = SMOKE + ["experiment.iterations=1", "orchestration.retry_delay_s=1",
 def _env(repo: Path) -> dict:
     env = client_env(repo)
     env["HACRL_LOG_LEVEL"] = "WARNING"
+    env["COLUMNS"] = "500"  # Prefect's CLI prints through rich, which wraps at the terminal width
     return env
 
 
@@ -71,6 +73,7 @@ def _logs(repo: Path, flow_run_id: str) -> str:
     return "\n".join(entry["message"] for entry in logs)
 
 
+# README: prefect deployment run hacrl/iterate --watch
 def _iterate(repo: Path, *args: str, check: bool = True):
     return _run(["prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "2", *args],
                 repo, check=check)
@@ -85,7 +88,10 @@ def served(tmp_path_factory):
     repo = dvc_workspace(tmp_path_factory.mktemp("prefect") / "repo",
                          ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignore", ".dvcignore"))
     _run([sys.executable, "-m", "hacrl.cli", "config", *CONFIG], repo)
-    # one stand-in worker on the gpu pool (see the module docstring)
+    # one stand-in worker on the gpu pool (see the module docstring); `make serve` is `make setup`
+    # then this, `make stop` is `hacrl stop` (below)
+    # README: make serve
+    # README: make stop
     _run(["hacrl", "serve", "--project", str(repo), "--prefect-port", "0", "--mlflow-port", "0",
           "--gpu-workers", "1"], repo)
     try:
@@ -101,15 +107,38 @@ def test_services_listen_on_localhost_only(served):
     assert env["PREFECT_HOME"] == str(served / ".prefect")
     with urllib.request.urlopen(env["HACRL_MLFLOW_UI"] + "/health", timeout=10) as r:
         assert r.status == 200
+    # the shell set-up the README prints
+    # README: source .venv/bin/activate && source .services.env
+    (served / ".venv").symlink_to(Path(sys.executable).parents[1])
+    sh = subprocess.run(["bash", "-c", "source .venv/bin/activate && source .services.env && "
+                                       "echo \"$PREFECT_API_URL|$HACRL_MLFLOW_UI|$(command -v hacrl)\""],
+                        cwd=served, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(served)})
+    assert sh.returncode == 0 and sh.stdout.strip() == \
+        f"{env['PREFECT_API_URL']}|{env['HACRL_MLFLOW_UI']}|{Path(sys.executable).parent / 'hacrl'}", sh
     pools = {p["name"]: p for p in _api(served, "/work_pools/filter")}
     assert {"cpu", "gpu"} <= set(pools) and pools["gpu"]["concurrency_limit"] >= 1
     assert "Idle, and not used, while no worker with a GPU polls it" in pools["gpu"]["description"]
 
 
 def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(served):
-    _iterate(served)
+    # README: hacrl iterate
+    out = _run(["hacrl", "iterate"], served).stdout.splitlines()
+    # named iterate-it1 when created, before the flow planned anything; each stage as it runs
+    assert out[0].startswith("flow run iterate-it1 created: http://127.0.0.1:"), out
+    assert "  ▶ prepare-data" in out and "  ▶ generate-rollouts@it1" in out
+    assert out.index("  ▶ generate-rollouts@it1") < out.index("  ▶ update-policies@it1")
+    assert any(ln.startswith("  ✓ evaluate@it1 (") for ln in out)
+    assert out[-1].startswith("iterate-it1: completed in "), out
     runs = _flow_runs(served)
     assert len(runs) == 1 and runs[0]["state_type"] == "COMPLETED" and runs[0]["name"] == "iterate-it1"
+    # the flow run's report: per-agent accuracy, linked to the MLflow runs and models
+    (art,) = _api(served, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}})
+    mlflow_ui = _env(served)["HACRL_MLFLOW_UI"]
+    acc = json.loads((served / "runs" / "it1" / "eval_metrics.json").read_text())["agents"]["gpt2-a"]
+    assert art["type"] == "markdown" and art["key"] == "smoke-it1"
+    assert f"| gpt2-a | {100 * acc['eval_accuracy']:.1f} % |" in art["data"]
+    assert f"]({mlflow_ui}/#/experiments/" in art["data"] and "/models/m-" in art["data"]
+    assert "generate-rollouts@it1 ran" in art["data"]
     tasks = _task_runs(served, runs[0]["id"])
     for s in ITERATION_STAGES:
         assert tasks[f"{s}@it1"]["state_type"] == "COMPLETED", tasks.keys()
@@ -136,9 +165,10 @@ def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(ser
     client = MlflowClient(f"sqlite:///{served / 'mlflow.db'}")
     mv = client.search_model_versions("name = 'smoke.gpt2-a' and tags.iteration = '1'")
     assert len(mv) == 1 and mv[0].tags["prefect_flow_run_id"] == runs[0]["id"]
+    assert mv[0].tags["prefect_flow_run_url"] == f"{_env(served)['PREFECT_API_URL'][:-4]}/runs/flow-run/{runs[0]['id']}"
 
 
-def test_failed_stage_marks_the_run_failed_and_the_next_run_resumes_there(served):
+def test_failed_stage_marks_the_run_failed_with_a_one_line_reason_and_the_next_run_resumes_there(served):
     fault = json.dumps({"HACRL_FAULT": "raise:exchange-and-align@it2"})
     p = _iterate(served, "--job-variable", f"env={fault}", check=False)
     assert p.returncode != 0
@@ -152,12 +182,18 @@ def test_failed_stage_marks_the_run_failed_and_the_next_run_resumes_there(served
     assert "update-policies@it2" not in tasks
     logs = _logs(served, failed["id"])
     assert "exchange-and-align@it2" in logs and "injected fault" in logs
+    # the reason in one line: in the watched output, and as the run's state message
+    one_line = "iteration 2 failed at exchange-and-align@it2: InjectedFault: injected fault in exchange-and-align@it2"
+    assert one_line in " ".join(p.stdout.split()), p.stdout
+    assert one_line in failed["state"]["message"] and flow_failure(failed["state"]["message"]).startswith(one_line)
 
     # the rerun resumes at the failed stage: DVC has the first two up to date; this run also
     # switches the update to the CPU pool through a Hydra override (a flow parameter)
-    overrides = json.dumps(SMOKE + ["orchestration.retry_delay_s=1", "experiment.iterations=2",
-                                     "orchestration.gpu_routing=local"])
-    _iterate(served, "--param", f"overrides={overrides}")
+    # README's override form (other values: a new lr would make iteration 1 stale)
+    # README: hacrl iterate trainer.lr=1e-4
+    out = _run(["hacrl", "iterate", *SMOKE, "orchestration.retry_delay_s=1", "experiment.iterations=2",
+                "orchestration.gpu_routing=local"], served).stdout
+    assert out.splitlines()[-1].startswith("iterate-it2: completed in "), out
     resumed = _flow_runs(served)[-1]
     assert resumed["state_type"] == "COMPLETED" and resumed["name"] == "iterate-it2"
     logs = _logs(served, resumed["id"])
@@ -169,12 +205,21 @@ def test_failed_stage_marks_the_run_failed_and_the_next_run_resumes_there(served
 
     client = MlflowClient(f"sqlite:///{served / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke").experiment_id
-    stage_runs = client.search_runs([exp], "tags.`hacrl.iteration` = '2' and tags.`hacrl.kind` = 'stage'")
-    by_stage: dict[str, list[str]] = {}
-    for r in stage_runs:
-        by_stage.setdefault(r.data.tags["hacrl.stage"], []).append(r.info.status)
-    assert by_stage["generate-rollouts"] == ["FINISHED"]  # not redone
-    assert sorted(by_stage["exchange-and-align"]) == ["FAILED", "FAILED", "FINISHED"]
+    # one MLflow run for iteration 2: failed twice in exchange-and-align, resumed, finished
+    (it2,) = client.search_runs([exp], "tags.`hacrl.iteration` = '2' and tags.`hacrl.kind` = 'iteration'")
+    assert it2.info.status == "FINISHED" and it2.data.tags["hacrl.failures"] == "2"
+    assert it2.data.tags["hacrl.last_failure"].startswith("exchange-and-align: InjectedFault")
+    walls = lambda s: len(client.get_metric_history(it2.info.run_id, f"wall_s/{s}"))  # noqa: E731
+    assert walls("generate-rollouts") == 1 and walls("exchange-and-align") == 3  # not redone / 2 failed + 1
+    assert it2.data.tags["hacrl.prefect_flow_run_url"].endswith(f"/runs/flow-run/{resumed['id']}")
+    assert _ran(_run(["dvc", "repro"], served).stdout) == []
+
+    # redo an iteration: every stage runs again, DVC records it
+    # README: hacrl iterate --iteration 2 --force
+    out = _run(["hacrl", "iterate", "--iteration", "2", "--force"], served).stdout
+    assert out.splitlines()[0].startswith("flow run iterate-it2 created") and "  ▶ generate-rollouts@it2" in out
+    logs = _logs(served, _flow_runs(served)[-1]["id"])
+    assert "generate-rollouts@it2: ran" in logs and "evaluate@it2: ran" in logs
     assert _ran(_run(["dvc", "repro"], served).stdout) == []
 
 
@@ -193,6 +238,11 @@ def test_a_second_run_cannot_take_the_workspace(served):
     assert _iterate(served, "--param", "iteration=5", check=False).returncode != 0
     logs = _logs(served, _flow_runs(served)[-1]["id"])
     assert "iteration: invalid value 5 (only 2 configured and done; the next one is 3)" in logs
+    # hacrl iterate says so before it creates a flow run
+    n = len(_api(served, "/flow_runs/filter", {}))
+    p = _run(["hacrl", "iterate", "--iteration", "5"], served, check=False)
+    assert p.returncode == 2 and "iteration: invalid value 5 (only 2 configured and done" in p.stderr
+    assert len(_api(served, "/flow_runs/filter", {})) == n
 
 
 def test_stop_ends_every_service(served):

@@ -32,6 +32,11 @@ def _setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+STAGE_NAMES = ("prepare-data", "prepare-pool", "generate-rollouts", "verify-rewards", "exchange-and-align",
+               "compute-capability-stats", "update-policies", "evaluate", "report")
+"""The stages of :data:`hacrl.stages.STAGES`, named here so that ``--help`` imports no stage code."""
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from hacrl.config import compose, keep_extension, write_params
 
@@ -52,6 +57,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     write_params(data, out)
     print(f"wrote {out} ({data['algorithm']['name']}, {len(data['agents'])} agents, "
           f"{data['experiment']['iterations']} iterations)")
+    from hacrl.config import from_dict
+    from hacrl.tracking import foreign_store
+
+    foreign = foreign_store(from_dict(data), Path("."))
+    if foreign:
+        print(f"hacrl: warning: {foreign}", file=sys.stderr)
     return 0
 
 
@@ -107,6 +118,11 @@ def cmd_track(args: argparse.Namespace) -> int:
     if not cfg.tracking.enabled:
         return 0
     project = Path(".").resolve()
+    from hacrl.tracking import foreign_store
+
+    foreign = foreign_store(cfg, project)
+    if foreign:
+        print(f"hacrl: warning: {foreign}", file=sys.stderr)
     n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=args.timeout)
     left = track_queue.pending(project, cfg.experiment.runs_dir)
     failed = sorted((project / cfg.experiment.runs_dir / ".tracking" / "queue" / "failed").glob("*.json"))
@@ -146,6 +162,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.params)
     timings = run_in_process(cfg)
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}, indent=2))
+    print(f"wrote {cfg.experiment.runs_dir}/ and {cfg.experiment.reports_dir}/ (the outputs `dvc repro` tracks; "
+          f"dvc.lock does not record this run: `dvc commit` adopts it)", file=sys.stderr)
     return 0
 
 
@@ -154,8 +172,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     contenders = args.contenders.split(",") if args.contenders else None
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
-                    resume=args.resume)
-    print(f"report: {out / 'README.md'}")
+                    resume=args.resume, dry_run=args.dry_run)
+    print(out if args.dry_run else f"report: {out / 'README.md'}")
     return 0
 
 
@@ -196,8 +214,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 log.warning("no experiment page: %s", e)
         print(f"MLflow UI    {ui}")
     print(f"In a new shell:  source .venv/bin/activate && source {env}")
-    print("Then:           prefect deployment run hacrl/iterate --watch      (stop: make stop)")
+    print("Then:           hacrl iterate      (or: prefect deployment run hacrl/iterate --watch; stop: make stop)")
     return 0
+
+
+def cmd_iterate(args: argparse.Namespace) -> int:
+    """One iterate flow run on the services ``hacrl serve`` started, followed to its end."""
+    from hacrl.launch import NoPrefect, launch
+    from hacrl.services import client_env
+
+    project = Path(args.project).resolve()
+    os.environ.update({k: v for k, v in client_env(project).items() if k.startswith(("PREFECT_", "HACRL_MLFLOW"))})
+    try:
+        return launch(project, args.iteration, args.force, args.overrides, watch=not args.no_watch)
+    except NoPrefect as e:
+        print(f"hacrl: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_resources(args: argparse.Namespace) -> int:
@@ -230,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             if rc is not None:
                 return rc
     parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
+    from hacrl import __version__
+
+    parser.add_argument("--version", action="version", version=f"hacrl {__version__}")
     parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("config", help="compose conf/ (+ Hydra overrides) into params.yaml")
@@ -237,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="params.yaml")
     c.add_argument("--check", action="store_true", help="only check that --out equals the composition")
     c.set_defaults(fn=cmd_config)
-    s = sub.add_parser("stage", help="run one pipeline stage")
-    s.add_argument("name")
+    s = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)",
+                       description="Run one pipeline stage for one iteration; dvc.yaml calls this for every stage.")
+    s.add_argument("name", metavar="NAME", help="one of: " + ", ".join(STAGE_NAMES))
     s.add_argument("--iteration", "-t", type=int, default=0)
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")
@@ -250,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.set_defaults(fn=cmd_track)
     al = sub.add_parser("algorithms", help="list the algorithm presets, estimators and losses with their options")
     al.set_defaults(fn=cmd_algorithms)
-    r = sub.add_parser("run", help="run every stage in one process (no DVC; for sweeps and timing)")
+    r = sub.add_parser("run", help="run every stage in one process, without DVC: the same outputs `dvc repro` "
+                                   "tracks (runs/, reports/), not recorded in dvc.lock (sweeps, timing)")
     r.add_argument("--params", default=None)
     r.set_defaults(fn=cmd_run)
     cp = sub.add_parser("compare", help="run a comparison suite (e.g. hacpo) and write reports/<suite>/")
@@ -264,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("--reports-dir", default="reports")
     cp.add_argument("--resume", action="store_true",
                     help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
+    cp.add_argument("--dry-run", action="store_true", help="validate every contender's config and print the plan")
     cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
     cp.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="benchmark a stage against what users would run instead; "
@@ -281,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--gpu-workers", type=int, default=None, help="workers on the gpu pool (default: 1 if GPUs)")
     sv.add_argument("--no-mlflow-ui", action="store_true")
     sv.set_defaults(fn=cmd_serve)
+    it = sub.add_parser("iterate", help="run the next RL iteration as a Prefect flow run named iterate-itT "
+                                         "(after `make serve`) and follow its stages")
+    it.add_argument("--project", default=".")
+    it.add_argument("--iteration", type=int, default=None, help="default: the first one not done, or the next new one")
+    it.add_argument("--force", action="store_true", help="re-run the iteration's stages even if up to date")
+    it.add_argument("--no-watch", action="store_true", help="create the flow run and return")
+    it.add_argument("overrides", nargs="*", help="Hydra overrides; params.yaml is recomposed with them first")
+    it.set_defaults(fn=cmd_iterate)
     rs = sub.add_parser("resources", help="print the MWRA plan: which devices each agent's rollout and "
                                           "update use, and what runs at the same time")
     rs.add_argument("overrides", nargs="*", help="Hydra overrides (default: read --params)")

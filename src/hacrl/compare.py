@@ -561,12 +561,14 @@ def write_index(suite_dir: Path, suite: str) -> Path:
 
 def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_dir: str | os.PathLike = "compare",
               reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
-              setting: str = "default", resume: bool = False) -> Path:
+              setting: str = "default", resume: bool = False, dry_run: bool = False) -> Path | str:
     """Run ``suite`` in ``setting`` for ``seeds`` seeds (0..seeds-1) and write
     ``reports/<suite>/<setting>/`` and the suite's index. With ``contenders`` given, the runs of
     other contenders already in that setting's report (same overrides: the same prepared pool)
     are kept, so a probe can be added to a finished suite. With ``resume``, runs an interrupted
-    suite finished with the same overrides are reused rather than run again."""
+    suite finished with the same overrides are reused rather than run again. With ``dry_run``,
+    every contender's config is composed and validated and the plan returned as text; nothing
+    runs."""
     if suite not in SUITES:
         raise config_mod.ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
@@ -579,6 +581,11 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         raise config_mod.ConfigError(f"contenders: invalid value {unknown} (choose from {', '.join(spec['all'])})")
     base_overrides = st["base"] + list(overrides or [])
     out = Path(work_dir).resolve() / suite / setting
+    if dry_run:
+        for c in chosen:  # a bad override fails here, before hours of runs
+            _cfg(base_overrides + spec["all"][c], out / "runs", out / "reports")
+        return (f"compare {suite}/{setting}: {len(chosen)} contenders x {seeds} seeds = {len(chosen) * seeds} runs "
+                f"({', '.join(chosen)}); base overrides: {' '.join(base_overrides)}; every config valid")
     t0 = time.time()
     prepare_base(base_overrides, out)
     results = []

@@ -84,6 +84,36 @@ class StageFailed(RuntimeError):
     def retryable(self) -> bool:
         return self.exit_code not in NO_RETRY_EXIT_CODES
 
+    @property
+    def reason(self) -> str:
+        """The failure in one line: the stage's own error (``hacrl: error: ...`` or the
+        exception that ended it), else the last line DVC printed."""
+        return failure_reason(self.tail) or f"exit {self.exit_code}"
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Fault|Failed|Interrupt|Exit))(?::\s*(.*))?$")
+
+
+def failure_reason(output: str) -> str:
+    """One line saying why a stage failed, from its output: the last ``hacrl: error:`` line or
+    Python exception line (module path dropped), else the last non-empty line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("hacrl: error:"):
+            return ln.removeprefix("hacrl: error:").strip()
+        m = _EXCEPTION_LINE.match(ln)
+        if m:
+            return f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
+    return lines[-1][:LOG_LINE_CHARS] if lines else ""
+
+
+class IterationFailed(RuntimeError):
+    """An iteration stopped at a stage; the message is one line: the stage and the reason."""
+
+    def __init__(self, t: int, stage: str, reason: str) -> None:
+        self.iteration, self.stage, self.reason = t, stage, reason
+        super().__init__(f"iteration {t} failed at {stage}: {reason}")
+
 
 class LockBusy(RuntimeError):
     """Another iterate run holds the workspace lock."""
@@ -157,6 +187,24 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
         write_params(data, project / "params.yaml")
     n = int(read_params(project)["experiment"]["iterations"])
     stale = stale_stages(project)
+    iteration = _choose(n, stale, iteration)
+    extended = iteration == n + 1
+    if extended:
+        set_iterations(project, iteration)
+        n = iteration
+        stale = stale_stages(project)
+    prepare = any(s in stale for s in PREPARE_STAGES)
+    return Plan(iteration, n, prepare, extended, stale)
+
+
+def next_iteration(project: Path, iteration: int | None = None) -> int:
+    """The iteration an iterate run would take now (:func:`plan_iteration` without writing
+    anything: the flow run gets its name, ``iterate-itT``, when it is created)."""
+    n = int(read_params(project)["experiment"]["iterations"])
+    return _choose(n, stale_stages(project), iteration)
+
+
+def _choose(n: int, stale: set[str], iteration: int | None) -> int:
     pending = [t for t in range(1, n + 1) if any(stage_id(s, t) in stale for s in ITERATION_STAGES)]
     if iteration is None:
         iteration = pending[0] if pending else n + 1
@@ -169,13 +217,7 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
     if iteration > n + 1:
         raise ConfigError(f"iteration: invalid value {iteration} (only {n} configured and done; "
                           f"the next one is {n + 1})")
-    extended = iteration == n + 1
-    if extended:
-        set_iterations(project, iteration)
-        n = iteration
-        stale = stale_stages(project)
-    prepare = any(s in stale for s in PREPARE_STAGES)
-    return Plan(iteration, n, prepare, extended, stale)
+    return iteration
 
 
 @contextlib.contextmanager
@@ -253,3 +295,41 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
     if f"Running stage '{stage}'" in text:
         return "ran"
     return "restored" if f"Stage '{stage}' is cached" in text else "up-to-date"
+
+
+def iteration_markdown(project: Path, cfg, t: int, stages: dict[str, str], mlflow_ui: str | None = None) -> str:
+    """The flow run's report of iteration ``t`` (a Prefect markdown artifact): held-out accuracy
+    per agent with its checkpoint, what each stage did, and links to the MLflow runs and models
+    (``mlflow_ui``: the MLflow UI's URL; without one, the run and model ids)."""
+    from hacrl.storage import RunLayout, read_json
+
+    lay = RunLayout(project / cfg.experiment.runs_dir)
+    metrics = read_json(lay.eval_metrics(t)) if lay.eval_metrics(t).exists() else {"agents": {}}
+    ptr = lay.runs / ".tracking" / "runs.json"
+    runs = read_json(ptr) if ptr.exists() else {}
+    eid = runs.get("experiment_id")
+    ui = (mlflow_ui or "").rstrip("/")
+
+    def link(text: str, route: str | None, ident: str | None) -> str:
+        if ui and eid and route is not None:
+            return f"[{text}]({ui}/#/experiments/{eid}{route})"
+        return f"{text} (`{ident}`)" if ident else text
+
+    lines = [f"# {cfg.experiment.name}: iteration {t} ({cfg.algorithm.name})", "",
+             "| agent | held-out accuracy | standard error | training reward | checkpoint | MLflow model |",
+             "|---|---:|---:|---:|---|---|"]
+    for a in cfg.agents:
+        m = metrics["agents"].get(a.name, {})
+        pct = lambda k: f"{100 * m[k]:.1f} %" if k in m else "–"  # noqa: E731
+        reward = f"{m['train_reward']:.3f}" if "train_reward" in m else "–"
+        mid = runs.get("models", {}).get(f"{a.name}@it{t}")
+        model = link(f"{a.name}-it{t}", f"/models/{mid}", mid) if mid else "–"
+        lines.append(f"| {a.name} | {pct('eval_accuracy')} | {pct('eval_stderr')} | {reward} | "
+                     f"`{cfg.experiment.runs_dir}/it{t}/checkpoints/{a.name}` | {model} |")
+    lines += ["", "Stages: " + ", ".join(f"{s} {what}" for s, what in stages.items()), ""]
+    it_run = runs.get("iterations", {}).get(str(t))
+    mlflow_links = [link("training runs (one line per agent)", "/runs", eid),
+                    link(f"iteration run it{t}", f"/runs/{it_run}", it_run) if it_run else None,
+                    link("checkpoints ranked by accuracy (Models tab)", "/models", None) if ui and eid else None]
+    lines.append("MLflow: " + " · ".join(x for x in mlflow_links if x))
+    return "\n".join(lines) + "\n"

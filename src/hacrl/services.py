@@ -72,6 +72,10 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
         "PREFECT_SERVER_API_HOST": HOST,
         "PREFECT_SERVER_API_PORT": str(prefect_port),
         "PREFECT_WORKER_QUERY_SECONDS": "2",
+        # the server streams flow-run logs to clients: `prefect deployment run --watch` shows the
+        # stage lines and the one-line failure, not only state changes
+        "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+        "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
         "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "HACRL_MLFLOW_UI": f"http://{HOST}:{mlflow_port}",

@@ -1,0 +1,102 @@
+"""``hacrl iterate``: start one iterate flow run, named after its iteration, and follow it.
+
+``prefect deployment run hacrl/iterate --watch`` works too, but its run gets a random name
+until the flow has planned (``iterate-itT`` only then), and a failure ends with "Flow run
+finished in state 'Failed'". This creates the run already named ``iterate-itT`` (the iteration
+is read from ``dvc status`` as the flow will choose it, without writing anything), prints each
+stage as it starts and ends, and a failure as one line: the stage and its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hacrl.orchestration import next_iteration
+
+DEPLOYMENT = "hacrl/iterate"
+_MARK = {"RUNNING": "▶", "COMPLETED": "✓", "FAILED": "✗", "CRASHED": "✗", "CANCELLED": "✗"}
+
+
+class NoPrefect(RuntimeError):
+    """No Prefect server (or no ``hacrl/iterate`` deployment) to run on."""
+
+
+def flow_failure(message: str) -> str:
+    """The one-line reason in a failed flow run's state message (Prefect prefixes the
+    exception's type and text with its own words)."""
+    m = re.search(r"IterationFailed: (.*)", message or "")
+    if m:
+        return m.group(1).strip()
+    m = re.search(r"exception: (.*)", message or "")
+    return (m.group(1) if m else message or "no message").strip().splitlines()[0]
+
+
+def launch(project: Path, iteration: int | None = None, force: bool = False, overrides: list[str] | None = None,
+           watch: bool = True, poll_s: float = 1.0, out: Callable[[str], None] = print) -> int:
+    """Create an iterate flow run named ``iterate-itT``; with ``watch``, follow it to the end.
+
+    Returns 0 when it completed (or was only created), 1 when it failed. Raises
+    :class:`hacrl.config.ConfigError` for an iteration that cannot run, :class:`NoPrefect`
+    without a server.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.exceptions import ObjectNotFound
+
+    if not os.environ.get("PREFECT_API_URL"):  # Prefect would start a throwaway server of its own
+        raise NoPrefect("no Prefect server: run `make serve` first (hacrl iterate finds its services; "
+                        "elsewhere `source .services.env`)")
+    t = next_iteration(project, iteration)
+    params: dict = {"project_dir": str(project)}
+    if iteration is not None:
+        params["iteration"] = iteration
+    if force:
+        params["force"] = True
+    if overrides:
+        params["overrides"] = list(overrides)
+    try:
+        with get_client(sync_client=True) as client:
+            dep = client.read_deployment_by_name(DEPLOYMENT)
+            fr = client.create_flow_run_from_deployment(dep.id, parameters=params, name=f"iterate-it{t}")
+    except ObjectNotFound:
+        raise NoPrefect(f"no deployment {DEPLOYMENT} on {os.environ.get('PREFECT_API_URL', 'this Prefect')}: "
+                        f"run `make serve` first") from None
+    except Exception as e:  # connection refused, no API URL
+        raise NoPrefect(f"no Prefect server at {os.environ.get('PREFECT_API_URL', '(PREFECT_API_URL unset)')}: "
+                        f"run `make serve` (and `source .services.env`) first ({type(e).__name__})") from None
+    ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
+    out(f"flow run iterate-it{t} created: {ui}/runs/flow-run/{fr.id}" if ui else f"flow run iterate-it{t}: {fr.id}")
+    if not watch:
+        return 0
+    seen: dict[str, tuple[str, int]] = {}
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(fr.id)
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            for tr in sorted(tasks, key=lambda x: x.created):
+                state = tr.state_type.value if tr.state_type else "PENDING"
+                key = (state, tr.run_count)
+                if state not in _MARK or seen.get(tr.name) == key:
+                    continue  # scheduled, pending, awaiting a retry: nothing to say yet
+                seen[tr.name] = key
+                if state == "RUNNING" and tr.run_count > 1:
+                    out(f"  ↻ {tr.name} (attempt {tr.run_count})")
+                elif state == "COMPLETED":
+                    out(f"  ✓ {tr.name} ({tr.total_run_time.total_seconds():.1f} s)")
+                else:
+                    out(f"  {_MARK[state]} {tr.name}")
+            if run.state is not None and run.state.is_final():
+                break
+            time.sleep(poll_s)
+    took = time.monotonic() - t0
+    name = run.name
+    if run.state.is_completed():
+        out(f"{name}: completed in {took:.0f} s")
+        return 0
+    out(f"{name}: {run.state.type.value.lower()}: {flow_failure(run.state.message or '')}")
+    return 1

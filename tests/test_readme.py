@@ -1,0 +1,107 @@
+"""Every command the README shows is run: here (configs composed, comparison plans validated,
+the MLflow CLI on a store), or by the test or CI script that carries a ``# README: COMMAND``
+marker. A command added to the README without either fails this test."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks and of its command table (first column)."""
+    text = (ROOT / "README.md").read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        cmds += [ln.split("  #")[0].split(" # ")[0].strip() for ln in block.splitlines()]
+    table = text.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    for row in re.findall(r"^\| `([^`|]+)`(?: / `([^`|]+)`)? \|", table, re.M):
+        cmds += [c for c in row if c]
+    return [c for c in dict.fromkeys(cmds) if c]
+
+
+def markers() -> set[str]:
+    """Commands that a test or the CI script says it runs (``# README: COMMAND``)."""
+    found = set()
+    for f in [*ROOT.glob("tests/*.py"), ROOT / ".ci" / "run"]:
+        found |= {m.strip() for m in re.findall(r"# README: (.+)$", f.read_text(), re.M)}
+    return found
+
+
+def _hacrl(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hacrl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "HACRL_STAGE_SERVER": "0", **(env or {})})
+
+
+def _make_run_overrides(cmd: str) -> list[str] | None:
+    m = re.fullmatch(r'make run OVERRIDES="([^"]*)"', cmd)
+    return shlex.split(m.group(1)) if m else None
+
+
+def test_every_readme_command_is_run_here_or_by_a_marked_test():
+    cmds = readme_commands()
+    assert "make run" in cmds and "make test" in cmds and any(c.startswith("hacrl compare") for c in cmds)
+    here = {c for c in cmds if _make_run_overrides(c) is not None or c.startswith("hacrl compare")
+            or c.startswith("mlflow ")}
+    missing = [c for c in cmds if c not in here and c not in markers()]
+    assert not missing, f"README commands no test runs (add a '# README: ...' marker where one does): {missing}"
+
+
+def test_the_readme_overrides_compose_into_valid_configs(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = '{"problem": "What is 2+3?", "answer": "5"}\n' * 50
+    for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl"):
+        (data / name).write_text(rows)
+    cmds = [c for c in readme_commands() if _make_run_overrides(c) is not None]
+    assert len(cmds) >= 6
+    for cmd in cmds:
+        # the README's /data/ paths point at files made here
+        overrides = [o.replace("=/data/", f"={data}/") for o in _make_run_overrides(cmd)]
+        p = _hacrl(["config", *overrides, "--out", str(tmp_path / "params.yaml")], ROOT)
+        assert p.returncode == 0, (cmd, p.stderr)
+
+
+def test_the_readme_comparisons_are_valid_plans(tmp_path):
+    cmds = [c for c in readme_commands() if c.startswith("hacrl compare")]
+    assert len(cmds) >= 8
+    for cmd in cmds:
+        p = _hacrl([*shlex.split(cmd)[1:], "--dry-run", "--work-dir", str(tmp_path)], ROOT)
+        assert p.returncode == 0 and "every config valid" in p.stdout, (cmd, p.stderr)
+    assert not any(tmp_path.iterdir())  # a plan runs nothing
+
+
+def test_the_readme_mlflow_commands_list_the_experiment_and_its_runs(tmp_path):
+    from conftest import SMOKE
+
+    from hacrl import config as config_mod
+    from hacrl.stage_result import StageResult
+    from hacrl.tracking import Tracker
+
+    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg.tracking.uri = uri
+    Tracker(cfg, tmp_path).log_stage("verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0)
+    for cmd in [c for c in readme_commands() if c.startswith("mlflow ")]:
+        p = subprocess.run([str(Path(sys.executable).parent / "mlflow"), *shlex.split(cmd)[1:]], cwd=tmp_path,
+                           capture_output=True, text=True,
+                           env={**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true"})
+        assert p.returncode == 0, (cmd, p.stderr[-2000:])
+        if "experiments search" in cmd:
+            assert "smoke" in p.stdout
+        else:  # the experiment's first id is 1: its runs, the agent's among them
+            assert "gpt2-a" in p.stdout and "it1" in p.stdout
+
+
+@pytest.mark.parametrize("cmd", ["hacrl --version", "hacrl stage --help"])
+def test_small_cli_commands(cmd):
+    p = _hacrl(shlex.split(cmd)[1:], ROOT)
+    assert p.returncode == 0 and p.stdout
