@@ -62,7 +62,8 @@ def _iteration(tr: Tracker, lay: RunLayout, t: int, acc: dict[str, float], salt:
     held.parent.mkdir(parents=True, exist_ok=True)
     held.write_text('{"id": "h1"}\n')
     tr.log_stage("evaluate", t, StageResult(
-        {}, agents={a: {"eval_accuracy": acc[a], "eval_stderr": 0.01} for a in AGENTS},
+        {}, evaluation={a: {"eval_accuracy": acc[a], "eval_stderr": 0.01} for a in AGENTS},
+        agents={a: {"rescued_now_accuracy": 0.5} for a in AGENTS},
         evaluated={a: str(lay.checkpoint(t, a)) for a in AGENTS},
         dataset=Input("heldout", str(held), "evaluation")), 1.5, start_ms=ms + 4000, end_ms=ms + 5500)
 
@@ -131,6 +132,9 @@ def test_every_checkpoint_is_a_logged_model_ranked_by_its_linked_heldout_accurac
     assert best.tags["mlflow.model.isExternal"] == "true" and best.params["algorithm.name"] == "grpo"
     (m,) = [m for m in best.metrics if m.key == "eval_accuracy"]
     assert (m.value, m.step, m.dataset_name) == (0.5, 2, "heldout")
+    # a figure on other data (SGT's rescued training prompts) goes with the model, not the held-out set
+    (r,) = [m for m in best.metrics if m.key == "rescued_now_accuracy"]
+    assert r.dataset_name is None
     assert m.dataset_digest == dvc_hash(lay.tasks / "heldout.jsonl")
     # two clicks: the model's source run is its iteration, whose inputs are the shards it learnt from
     src = c.get_run(best.source_run_id)

@@ -38,7 +38,8 @@ class Series:
     values: dict[str, list[float | None]]
 
 
-TRACKED_FIELDS = ("agents", "metrics", "series", "inputs", "checkpoints", "evaluated", "dataset", "artifacts")
+TRACKED_FIELDS = ("agents", "metrics", "series", "inputs", "checkpoints", "evaluated", "evaluation", "dataset",
+                  "artifacts")
 
 
 class StageResult(dict):
@@ -50,17 +51,18 @@ class StageResult(dict):
         series: agent -> :class:`Series` (per-update figures at the learner's global update steps).
         inputs: the files it read, logged as MLflow dataset inputs of the iteration's run.
         checkpoints: agent -> checkpoint directory it wrote (each becomes an MLflow logged model).
-        evaluated: agent -> checkpoint directory whose quality ``agents`` measures (those figures
-            are linked to that logged model and to ``dataset``).
-        dataset: the dataset ``evaluated``'s figures were measured on.
+        evaluated: agent -> checkpoint directory the stage measured.
+        evaluation: agent -> figures of that checkpoint on ``dataset`` (held-out accuracy...), on
+            the agent's run at step t and linked to the checkpoint's logged model and to ``dataset``.
+        dataset: the dataset ``evaluation``'s figures were measured on.
         artifacts: files to attach to the experiment's run (reports).
     """
 
     def __init__(self, details: Mapping | None = None, *, agents: dict[str, dict[str, float]] | None = None,
                  metrics: dict[str, float] | None = None, series: dict[str, Series] | None = None,
                  inputs: list[Input] | None = None, checkpoints: dict[str, str] | None = None,
-                 evaluated: dict[str, str] | None = None, dataset: Input | None = None,
-                 artifacts: list[str] | None = None) -> None:
+                 evaluated: dict[str, str] | None = None, evaluation: dict[str, dict[str, float]] | None = None,
+                 dataset: Input | None = None, artifacts: list[str] | None = None) -> None:
         super().__init__(details or {})
         self.agents = {a: numbers(v) for a, v in (agents or {}).items()}
         self.metrics = numbers(metrics or {})
@@ -68,6 +70,7 @@ class StageResult(dict):
         self.inputs = list(inputs or [])
         self.checkpoints = {a: str(p) for a, p in (checkpoints or {}).items()}
         self.evaluated = {a: str(p) for a, p in (evaluated or {}).items()}
+        self.evaluation = {a: numbers(v) for a, v in (evaluation or {}).items()}
         self.dataset = dataset
         self.artifacts = [str(p) for p in (artifacts or [])]
 
@@ -76,7 +79,8 @@ class StageResult(dict):
         return {"agents": self.agents, "metrics": self.metrics,
                 "series": {a: dataclasses.asdict(s) for a, s in self.series.items()},
                 "inputs": [dataclasses.asdict(i) for i in self.inputs], "checkpoints": self.checkpoints,
-                "evaluated": self.evaluated, "dataset": dataclasses.asdict(self.dataset) if self.dataset else None,
+                "evaluated": self.evaluated, "evaluation": self.evaluation,
+                "dataset": dataclasses.asdict(self.dataset) if self.dataset else None,
                 "artifacts": self.artifacts}
 
     @classmethod
@@ -87,7 +91,8 @@ class StageResult(dict):
         return cls(details, agents=tr.get("agents"), metrics=tr.get("metrics"),
                    series={a: Series(int(s["first_step"]), s["values"]) for a, s in (tr.get("series") or {}).items()},
                    inputs=[Input(**i) for i in tr.get("inputs") or []], checkpoints=tr.get("checkpoints"),
-                   evaluated=tr.get("evaluated"), dataset=Input(**ds) if ds else None, artifacts=tr.get("artifacts"))
+                   evaluated=tr.get("evaluated"), evaluation=tr.get("evaluation"), dataset=Input(**ds) if ds else None,
+                   artifacts=tr.get("artifacts"))
 
 
 def numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

@@ -639,7 +639,14 @@ def evaluate(cfg: Config, t: int) -> dict:
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
     write_json(lay.eval_metrics(t), headline_metrics(metrics))
     write_json(lay.history(t), history)
-    return StageResult(metrics, agents={a: numbers(m) for a, m in metrics["agents"].items()},
+    # the held-out figures go with the checkpoint and the held-out set; training figures the
+    # update already logged (entropy, KL, reward) are not logged twice
+    held_out = ("eval_accuracy", "eval_stderr", "eval_n", "by_level")
+    return StageResult(metrics,
+                       evaluation={a: numbers({k: v for k, v in m.items() if k in held_out})
+                                   for a, m in metrics["agents"].items()},
+                       agents={a: numbers({k: v for k, v in m.items() if k.startswith("rescued_")
+                                           or k == "train_reward_stderr"}) for a, m in metrics["agents"].items()},
                        evaluated={a.name: str(lay.checkpoint(t, a.name)) for a in cfg.agents},
                        dataset=Input("heldout", str(lay.tasks / "heldout.jsonl"), "evaluation"))
 

@@ -401,6 +401,8 @@ class Tracker:
 
             self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in evaluated.values() if m])
         for agent, values in res.agents.items():
+            self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent))
+        for agent, values in res.evaluation.items():  # measured on the dataset: linked to it too
             self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent),
                           dataset=dataset if evaluated.get(agent) else None)
         for agent, ser in res.series.items():
