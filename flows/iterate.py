@@ -22,7 +22,7 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
 from hacrl import config as config_mod  # noqa: E402
-from hacrl.orchestration import (ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
+from hacrl.orchestration import (INPUT_STAGE, ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
                                  StageFailed, device_tags, gpu_stages, iteration_markdown, plan_iteration,
                                  stage_devices, stage_id, workspace_lock)
 from hacrl.resources import plan_for  # noqa: E402
@@ -40,7 +40,12 @@ def _name_run(name: str) -> None:
 
 def _track(project: Path, cfg, logger) -> None:
     """Log the stages' queued MLflow records before the run ends."""
-    if cfg.tracking.enabled:
+    from hacrl.tracking import foreign_store
+
+    foreign = foreign_store(cfg, project) if cfg.tracking.enabled else None
+    if foreign:
+        logger.warning("%s", foreign)
+    elif cfg.tracking.enabled:
         from hacrl import track_queue
 
         n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=cfg.orchestration.lock_timeout_s)
@@ -93,6 +98,10 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         o = cfg.orchestration
         logger.info("iteration %d of %d%s%s", t, plan.configured, " (experiment extended by one)" if plan.extended
                     else "", "; preparing data and pool first" if plan.prepare else "")
+        for stage, outs in sorted(plan.changed.items()):  # said, not silently repaired
+            logger.warning("%s: %s on disk, not what DVC recorded; the stage that wrote it is run again or "
+                           "restored from DVC's run cache when this run reaches it", stage,
+                           ", ".join(f"{p} {why}" for p, why in sorted(outs.items())))
         retry = {"retries": o.retries, "retry_delay_seconds": o.retry_delay_s}
         # MWRA: each stage task is tagged with the devices its jobs hold (one slot per device),
         # and a stage with jobs on GPUs goes to the GPU pool
@@ -100,7 +109,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
         ensure_device_limits(sorted({x for v in tags.values() for x in v}))
         on_gpu = gpu_stages(cfg)
-        todo = [(s, s) for s in PREPARE_STAGES if plan.prepare] + [(s, stage_id(s, t)) for s in ITERATION_STAGES]
+        todo = [(INPUT_STAGE, s) for s in plan.inputs] + [(s, s) for s in PREPARE_STAGES if plan.prepare]
+        todo += [(s, stage_id(s, t)) for s in ITERATION_STAGES]
         todo += [("report", "report")] if t == plan.configured else []
         done: dict[str, str] = {}
         for i, (s, sid) in enumerate(todo, 1):

@@ -1,8 +1,11 @@
+import os
 import subprocess
 import sys
 
 import pytest
 import yaml
+
+from conftest import ROOT
 
 from hacrl import config
 
@@ -142,3 +145,82 @@ def test_cli_says_its_version_and_lists_the_stages():
     assert v.returncode == 0 and v.stdout.strip() == f"hacrl {__version__}"
     h = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "--help"], capture_output=True, text=True, env=env)
     assert h.returncode == 0 and all(s in "".join(h.stdout.split()) for s in STAGE_NAMES)  # wrapped at hyphens
+
+
+TYPE_ERRORS = [  # override -> the one line it gets
+    ("trainer.lr=abc", "trainer.lr: invalid value 'abc' (expected a number)"),
+    ("rollout.temperature='1.0'", "rollout.temperature: invalid value '1.0' (expected a number)"),
+    ("data.levels=add", "data.levels: invalid value 'add' (expected a mapping to numbers)"),
+    ("trainer.adam_betas=0.9", "trainer.adam_betas: invalid value 0.9 (expected a list of numbers)"),
+    ("trainer.adam_betas=[0.9,1.5]", "trainer.adam_betas: invalid value [0.9, 1.5] (two numbers in [0, 1))"),
+    ("tracking.enabled='false'", "tracking.enabled: invalid value 'false' (expected true or false)"),
+    ("trainer.epochs=1.5", "trainer.epochs: invalid value 1.5 (expected an integer)"),
+    ("reward.timeout_s=-1", "reward.timeout_s: invalid value -1.0 (must be > 0)"),
+    ("reward.timeout_s=0", "reward.timeout_s: invalid value 0.0 (must be > 0)"),
+    ("reward.workers=0", "reward.workers: invalid value 0 (must be >= 1)"),
+    ("experiment.iterations=0", "experiment.iterations: invalid value 0 (must be >= 1)"),
+    ("data.heldout_fraction=1", "data.heldout_fraction: invalid value 1.0 (must be > 0 and < 1)"),
+    ("agents.0.warmup.lr=-1", "agents[0].warmup.lr: invalid value -1.0 (must be > 0)"),
+    ("experiment.name=\"x' or name != '\"", "experiment.name: invalid value \"x' or name != '\" (letters, digits,"),
+    ("algoritm=gspo", "algoritm: unknown key (did you mean 'algorithm'? the config has: experiment, data, "
+                      "agents, algorithm, rollout, trainer, reward, eval, engines, orchestration, tracking, resources)"),
+    ("trainer.lrr=1", "trainer.lrr: unknown key (did you mean 'trainer.lr'? trainer has: backend, zero_stage, lr,"),
+]
+
+
+@pytest.mark.parametrize("override,message", TYPE_ERRORS)
+def test_a_bad_value_is_one_line_naming_key_value_and_expected_type(override, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.compose([override])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_a_hand_edited_params_file_reads_as_hydra_and_dvc_read_it(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    assert "  lr: 0.0005\n" in text and "  temperature: 1.0\n" in text
+    (tmp_path / "a.yaml").write_text(text.replace("  lr: 0.0005\n", "  lr: 5e-4\n"))
+    assert config.load(tmp_path / "a.yaml").trainer.lr == 0.0005  # YAML 1.2: a number, as for DVC
+    (tmp_path / "b.yaml").write_text(text.replace("  temperature: 1.0\n", "  temperature: '1.0'\n"))
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(tmp_path / "b.yaml")],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HACRL_STAGE_SERVER": "0"})
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "hacrl: error: rollout.temperature: invalid value '1.0' (expected a number)"
+    assert not (tmp_path / "data").exists()  # refused before any work
+    (tmp_path / "c.yaml").write_text("experiment: [\n")
+    with pytest.raises(config.ConfigError, match=r"c\.yaml:2: not valid YAML"):
+        config.load(tmp_path / "c.yaml")
+
+
+def test_an_agent_path_that_is_not_a_model_is_refused_at_config_time(tmp_path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(config.ConfigError) as e:
+        config.compose([f"agents.pool.0.path={empty}"])
+    assert str(e.value) == f"agents[0].path: invalid value '{empty}' (no config.json: not a Hugging Face model directory)"
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(config.ConfigError) as e:
+        config.compose([f"agents.pool.0.path={empty}"])
+    assert str(e.value).startswith(f"agents[0].path: invalid value '{empty}' (no tokenizer files (tokenizer.json,")
+    (empty / "tokenizer.json").write_text("{}")
+    assert config.compose([f"agents.pool.0.path={empty}"])["agents"][0]["path"] == str(empty)
+
+
+def test_iterations_that_cannot_run_are_refused_before_anything_is_written(tmp_path):
+    params = tmp_path / "params.yaml"
+    from conftest import SMOKE
+
+    data = config.compose([*SMOKE, "experiment.iterations=2", "tracking.enabled=false"])
+    config.write_params(data, params)
+    env = {**os.environ, "HACRL_STAGE_SERVER": "0"}
+    for args, msg in ((["evaluate", "--iteration", "-1"], "--iteration: invalid value -1 (iterations 0-2 are configured"),
+                      (["generate-rollouts", "--iteration", "5"], "--iteration: invalid value 5 (iterations 0-2"),
+                      (["update-policies", "--iteration", "0"], "--iteration: invalid value 0 (RL iterations start at 1)")):
+        p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", *args, "--params", str(params)],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert p.returncode == 2 and p.stderr.strip().startswith(f"hacrl: error: {msg}"), p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["params.yaml"]  # no runs/itN/, no MLflow store
+    # a hand-edited count that disagrees with the iteration table dvc.yaml runs
+    config.write_params({**data, "experiment": {**data["experiment"], "iterations": 5}}, params)
+    with pytest.raises(config.ConfigError, match=r"experiment.iterations: invalid value 5 \(the iteration table "
+                                                 r"dvc.yaml runs has 2 entries"):
+        config.load(params)

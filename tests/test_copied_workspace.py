@@ -2,6 +2,7 @@
 original's code through its copied virtual environment: each says so in one line."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,12 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     orig.mkdir()
     cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true", "tracking.asynchronous=false"]))
     assert tracking.foreign_store(cfg, orig) is None  # no store yet
+    ckpt = orig / "runs" / "it0" / "checkpoints" / "gpt2-a"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_text("weights")
+    tracking.log_stage(cfg, "prepare-pool", 0, StageResult({}, checkpoints={"gpt2-a": "runs/it0/checkpoints/gpt2-a"}),
+                       1.0, project_dir=orig)
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # registering a model leaves the environment as it was
     tracking.log_stage(cfg, "verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0,
                        project_dir=orig)
     assert tracking.foreign_store(cfg, orig) is None  # its own store
@@ -38,6 +45,14 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     tracking.log_stage(cfg, "verify-rewards", 2, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.6}}), 1.0,
                        project_dir=copy)
     assert ((orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()) == before
+    # the same under `make serve`, which exports the (copy's) project store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{copy / 'mlflow.db'}")
+    assert tracking.foreign_store(cfg, copy) == msg
+    tracking.log_stage(cfg, "verify-rewards", 3, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.7}}), 1.0,
+                       project_dir=copy)
+    assert ((orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()) == before
+    assert len(list((orig / "mlartifacts").rglob("MLmodel"))) == 1  # the original's one model, no more
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     # `hacrl config` there says it in one line
     write_params(config_mod.compose(SMOKE), copy / "params.yaml")
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=copy, capture_output=True, text=True,

@@ -4,6 +4,7 @@ from fractions import Fraction
 import pytest
 
 from hacrl import data
+from hacrl.data import DataError, load_problems
 
 
 LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
@@ -110,3 +111,31 @@ def test_worked_solutions_need_the_procedural_task():
     d["data"].update(source="files", train_path=__file__, heldout_path=__file__)
     with pytest.raises(config.ConfigError, match="^data.completion: .*procedural task only"):
         config.from_dict(d)
+
+
+def test_a_line_that_is_not_utf8_is_named_and_skip_skips_it(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n'
+                  b'{"problem": "2+2?", "answer": "4"}\n')
+    with pytest.raises(DataError) as e:
+        load_problems(f)
+    assert str(e.value) == f"{f}:2: not UTF-8 (byte 0xe9 at column 17)"
+    probs, skipped = load_problems(f, "skip")
+    assert [p["answer"] for p in probs] == ["2", "4"] and skipped == 1
+
+
+def test_oversized_problems_answers_and_lines_are_refused_before_they_cost_memory(tmp_path):
+    from hacrl.data import MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS
+
+    f = tmp_path / "t.jsonl"
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "x" * (MAX_PROBLEM_CHARS + 1), "answer": "1"},
+            {"problem": "2+2?", "answer": "9" * (MAX_ANSWER_CHARS + 1)}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n" + "y" * (MAX_LINE_BYTES + 1) + "\n")
+    with pytest.raises(DataError, match=rf"{f}:2: field 'problem' has 16,385 characters, over the limit of 16,384"):
+        load_problems(f)
+    probs, skipped = load_problems(f, "skip")
+    assert len(probs) == 1 and skipped == 3
+    big = tmp_path / "big.jsonl"
+    big.write_text("y" * (MAX_LINE_BYTES + 1) + "\n")
+    with pytest.raises(DataError, match=r"big.jsonl:1: line of 1,048,578 bytes, over the 1,048,576-byte limit"):
+        load_problems(big)

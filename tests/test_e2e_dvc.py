@@ -65,8 +65,7 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     # README: hacrl stage NAME -t T
     first = _run(["dvc", "repro"], repo).stdout
     ran = _ran(first)
-    assert ran[:3] == ["prepare-data", "prepare-pool", "evaluate-warmup"] or \
-        set(ran[:3]) == {"prepare-data", "prepare-pool", "evaluate-warmup"}
+    assert ran[:4] == ["external-input@none", "prepare-data", "prepare-pool", "evaluate-warmup"]
     assert ran.index("generate-rollouts@it2") > ran.index("update-policies@it1")
     summary = read_json(repo / "reports" / "summary.json")
     assert summary["algorithm"] == "grpo"
@@ -152,6 +151,24 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     assert len(client.search_runs([exp])) == 7
 
 
+def test_a_damaged_checkpoint_is_refused_by_the_stage_that_reads_it_and_checkout_restores_it(repo):
+    """`dvc repro --single-item` (what a Prefect task runs) on a damaged input: the stage fails
+    naming the file (exit 2) and dvc.lock keeps the good hash; `dvc checkout` restores it."""
+    ck = repo / "runs" / "it3" / "checkpoints" / "gpt2-a" / "model.safetensors"
+    original = ck.read_bytes()
+    damaged = bytearray(original)
+    damaged[-100] ^= 0xFF
+    ck.write_bytes(bytes(damaged))
+    lock = (repo / "dvc.lock").read_text()
+    p = _run(["dvc", "repro", "--single-item", "evaluate@it3"], repo, check=False)
+    assert p.returncode != 0
+    assert f"hacrl: error: {ck}: not what update-policies@it3 wrote (dvc.lock has another hash)" in p.stdout + p.stderr
+    assert (repo / "dvc.lock").read_text() == lock  # the damaged hash was not recorded
+    _run(["dvc", "checkout", "--force", "runs/it3/checkpoints"], repo)
+    assert ck.read_bytes() == original
+    assert _ran(_run(["dvc", "repro", "--single-item", "evaluate@it3"], repo).stdout) == []  # up to date again
+
+
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
     _config(repo, "experiment.iterations=4")
     it4 = repo / "runs" / "it4"
@@ -194,7 +211,7 @@ def test_a_fresh_workspace_elsewhere_reproduces_the_committed_lock_for_the_data(
 
     ws = dvc_workspace(tmp_path / "elsewhere with space", ("dvc.yaml", "dvc.lock", "params.yaml", "conf", "src",
                                                             ".gitignore", ".dvcignore"))
-    _run(["dvc", "repro", "--single-item", "prepare-data"], ws)
+    _run(["dvc", "repro", "prepare-data"], ws)  # and the external-input stage before it
     mine = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["prepare-data"]
     committed = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]["prepare-data"]
     assert mine["outs"] == committed["outs"]
@@ -231,3 +248,29 @@ def test_hacrl_run_writes_what_dvc_tracks_in_one_process(tmp_path):
     assert "dvc.lock does not record this run" in p.stderr
     assert len(read_json(ws / "reports" / "summary.json")["agents"]["gpt2-a"]["eval_accuracy"]) == 2
     assert not (ws / "dvc.lock").exists()
+
+
+def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_stale(tmp_path):
+    """Inputs outside the repository are dependencies too (dvc.yaml's external-input stages)."""
+    from hacrl import config
+
+    files = tmp_path / "tasks"
+    files.mkdir()
+    for name in ("train.jsonl", "held.jsonl"):
+        (files / name).write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n"
+                                          for i in range(60)))
+    ws = dvc_workspace(tmp_path / "ws", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
+    _config(ws, "data=files", f"data.train_path={files / 'train.jsonl'}", f"data.heldout_path={files / 'held.jsonl'}",
+            "data.dev_size=10")
+    assert set(config.read_yaml(ws / "params.yaml")["external_inputs"]) == {"data-train", "data-heldout"}
+    ran = _ran(_run(["dvc", "repro", "prepare-data"], ws).stdout)
+    assert ran == ["external-input@data-heldout", "external-input@data-train", "prepare-data"] or \
+        sorted(ran) == sorted(["external-input@data-heldout", "external-input@data-train", "prepare-data"])
+    assert "prepare-data" not in json.loads(_run(["dvc", "status", "--json"], ws).stdout)
+    with open(files / "train.jsonl", "a") as f:  # one more problem
+        f.write(json.dumps({"problem": "What is 100+1?", "answer": "101"}) + "\n")
+    stale = json.loads(_run(["dvc", "status", "--json"], ws).stdout)
+    assert "external-input@data-train" in stale and "external-input@data-heldout" not in stale
+    ran = _ran(_run(["dvc", "repro", "prepare-data"], ws).stdout)
+    assert ran == ["external-input@data-train", "prepare-data"]
+    assert read_json(ws / "data" / "tasks" / "manifest.json")["sizes"]["train"] == 51  # 61 rows less 10 for dev

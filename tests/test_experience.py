@@ -226,7 +226,7 @@ def test_an_estimator_is_refused_without_the_records_it_needs():
         config.from_dict(data)
     data = config.compose(["algorithm=hacpo"])
     data["algorithm"]["loss"]["alpha"] = "three"
-    with pytest.raises(config.ConfigError, match=r"^algorithm.loss: invalid options"):
+    with pytest.raises(config.ConfigError, match=r"^algorithm.loss.alpha: invalid value 'three' \(expected a number\)"):
         config.from_dict(data)
 
 

@@ -1,4 +1,4 @@
-"""The committed dvc.lock matches the committed code and params: otherwise a fresh clone's
+"""The dvc.lock of the checkout matches its code and params (CI: a clean clone, so the committed ones): otherwise a fresh clone's
 `make run` re-runs stages whose code "changed" and leaves `git status` dirty (a docstring edit
 to a stage's module without a `dvc repro` did exactly that once)."""
 

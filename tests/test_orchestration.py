@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,35 @@ def test_hacrl_iterate_without_services_says_so_and_starts_no_server(tmp_path):
                        capture_output=True, text=True, env={**env, "HOME": str(tmp_path)})
     assert p.returncode == 1 and p.stderr.strip().startswith("hacrl: error: no Prefect server: run `make serve`")
     assert not list(tmp_path.rglob("*.db"))  # no throwaway Prefect server (and its database)
+
+
+def test_the_services_env_file_is_quoted_for_the_shell(tmp_path):
+    """A project path with a space, a `$(...)` and a quote: sourcing the file gives back the
+    exact paths and runs nothing."""
+    from hacrl.services import env_file_text, service_env
+
+    project = tmp_path / "my proj $(touch pwned) 'q'"
+    project.mkdir()
+    env = service_env(project, 4200, 5000)
+    f = project / ".services.env"
+    f.write_text(env_file_text(env))
+    out = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n" "$MLFLOW_TRACKING_URI" "$PREFECT_HOME" "$PATH"',
+                          "_", str(f)], cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    uri, home, path = out.stdout.splitlines()
+    assert uri == env["MLFLOW_TRACKING_URI"] == f"sqlite:///{project / 'mlflow.db'}" and home == str(project / ".prefect")
+    assert path.startswith(f"{Path(sys.executable).parent}:") and path.endswith(":/usr/bin:/bin")
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_the_planner_names_outputs_changed_on_disk(dvc_repo):
+    """What `dvc status` says of an output damaged after its stage ran: the flow logs it (the
+    stage is then restored from DVC's run cache or run again) instead of repairing it silently."""
+    from hacrl.orchestration import changed_outputs, dvc_status
+
+    run_dvc_stage(dvc_repo, "ok")
+    assert changed_outputs(dvc_status(dvc_repo)) == {}
+    (dvc_repo / "out.txt").write_text("damaged\n")
+    assert changed_outputs(dvc_status(dvc_repo)) == {"ok": {"out.txt": "modified"}}
+    assert run_dvc_stage(dvc_repo, "ok") in ("ran", "restored")
+    assert changed_outputs(dvc_status(dvc_repo)) == {}

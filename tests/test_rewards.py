@@ -196,3 +196,16 @@ def test_a_pool_the_fast_path_settles_starts_no_worker_and_the_rest_go_to_math_v
     with VerifierPool(1, 5.0, fast_path=False) as pool:
         assert pool.verify(pairs) == [CORRECT, WRONG, CORRECT]
         assert pool.fast == 0 and len(pool.workers) == 1
+
+
+def test_math_verifys_own_timeouts_are_timeouts_and_a_gold_that_does_not_parse_is_skipped():
+    """math-verify catches its own alarms and returns "nothing parsed" / "not equal", saying so
+    only in a warning; those checks are `timeout` (not `wrong`), in-process and in the workers.
+    A gold answer with no LaTeX meaning is `gold_unparseable`, whose reward skips the sample."""
+    tower = r"\boxed{9^{9^{9^{9}}}}"  # sympy cannot settle 5 == this within the 1 s alarm
+    assert check("5", tower, 1.0) == "timeout"
+    assert check("\\frac{", r"\boxed{5}", 1.0) == "gold_unparseable" and reward_of("gold_unparseable") is None
+    assert check("5", r"\boxed{5}", 1.0) == "correct" and check("5", r"\boxed{6}", 1.0) == "wrong"
+    with VerifierPool(workers=1, timeout_s=1.0, fast_path=False) as pool:
+        assert pool.verify([("5", tower), ("\\frac{", r"\boxed{5}"), ("5", r"\boxed{5}"), ("7", "no number")]) == \
+            ["timeout", "gold_unparseable", "correct", "no_answer"]

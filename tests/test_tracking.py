@@ -181,3 +181,24 @@ def test_a_config_that_changes_results_starts_a_new_experiment_run(tracked):
     assert tr.client.get_run(new["experiment_run"]).data.tags["hacrl.supersedes"] == old["experiment_run"]
     assert not set(new["agents"].values()) & set(old["agents"].values())
 
+
+
+def test_credentials_in_a_uri_never_reach_mlflow_params():
+    import dataclasses
+
+    from hacrl.tracking import flatten
+
+    cfg = config_mod.from_dict(config_mod.compose(SMOKE))
+    cfg.tracking.uri = "https://alice:s3cr3t@mlflow.example.org:5000"
+    params = flatten(dataclasses.asdict(cfg))
+    assert params["tracking.uri"] == "https://***@mlflow.example.org:5000"
+    assert not any("s3cr3t" in v for v in params.values())
+
+
+def test_a_rerun_that_writes_the_identical_checkpoint_keeps_its_model(tracked):
+    tmp_path, cfg, lay, tr, accs = tracked
+    before = {m.model_id for m in tr.client.search_logged_models([tr.experiment_id])}
+    versions = len(tr.client.search_model_versions(f"name = '{tr.model_name('gpt2-a')}'"))
+    _iteration(tr, lay, 2, accs[2])  # the same files again (a forced rerun of a deterministic stage)
+    assert {m.model_id for m in tr.client.search_logged_models([tr.experiment_id])} == before
+    assert len(tr.client.search_model_versions(f"name = '{tr.model_name('gpt2-a')}'")) == versions

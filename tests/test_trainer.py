@@ -51,3 +51,32 @@ def test_nan_loss_is_refused_before_any_step():
     with pytest.raises(NonFiniteLossError):
         opt.step(torch.tensor(float("nan"), requires_grad=True))
     assert all(torch.equal(before[k], v) for k, v in opt.module.state_dict().items())
+
+
+class _Planted:
+    """What an attacker would plant: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+@pytest.mark.parametrize("backend,zero", [("deepspeed", 0), ("deepspeed", 2), ("torch", 0)])
+def test_a_planted_pickle_in_the_recovery_state_never_runs(tmp_path, backend, zero):
+    import torch
+
+    from hacrl.errors import UnsafeStateError
+
+    cfg = TrainerConfig(backend=backend, zero_stage=zero, lr=1e-2)
+    opt = PolicyOptimizer(_model(), cfg, 4)
+    opt.save_state(tmp_path / "state")
+    victim = sorted((tmp_path / "state").rglob("*.pt"))[-1]
+    marker = tmp_path / "pwned"
+    torch.save({"optimizer": _Planted(marker), "updates": 1}, victim)
+    with pytest.raises(UnsafeStateError, match=f"{victim}: refusing to load this recovery state"):
+        PolicyOptimizer(_model(), cfg, 4).load_state(tmp_path / "state")
+    assert not marker.exists()

@@ -79,6 +79,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.name in ("generate-rollouts", "verify-rewards", "exchange-and-align",
                      "compute-capability-stats", "update-policies") and t < 1:
         raise config_mod.ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
+    if t < 0 or (args.name not in ("prepare-data", "prepare-pool", "report") and t > cfg.experiment.iterations):
+        raise config_mod.ConfigError(f"--iteration: invalid value {t} (iterations 0-{cfg.experiment.iterations} "
+                                     f"are configured; more: `hacrl config experiment.iterations=N`)")
     removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
     if removed:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
@@ -86,6 +89,10 @@ def cmd_stage(args: argparse.Namespace) -> int:
     log.info("stage %s (iteration %d) started", args.name, t)
     try:
         _injected_fault(args.name, t)
+        from hacrl.inputs import dvc_stage_id, verify
+
+        # the upstream artifacts it reads are what their stages wrote (dvc.lock), before any work
+        verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or dvc_stage_id(args.name, t))
         result = STAGES[args.name](cfg, t)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
@@ -109,6 +116,14 @@ def _injected_fault(stage: str, t: int) -> None:
         raise InjectedFault(f"injected fault in {stage}@it{t} (HACRL_FAULT={spec})")
 
 
+def cmd_input_stamp(args: argparse.Namespace) -> int:
+    """dvc.yaml's external-input stage: the content hash of one input outside the repository."""
+    from hacrl.inputs import stamp
+
+    print(stamp(".", args.key, args.params or os.environ.get("HACRL_PARAMS", "params.yaml")))
+    return 0
+
+
 def cmd_track(args: argparse.Namespace) -> int:
     """Log the stage records still queued for MLflow, after any flusher still at work."""
     from hacrl import config as config_mod
@@ -121,8 +136,9 @@ def cmd_track(args: argparse.Namespace) -> int:
     from hacrl.tracking import foreign_store
 
     foreign = foreign_store(cfg, project)
-    if foreign:
+    if foreign:  # nothing is logged into another workspace's store; the queue stays
         print(f"hacrl: warning: {foreign}", file=sys.stderr)
+        return 0
     n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=args.timeout)
     left = track_queue.pending(project, cfg.experiment.runs_dir)
     failed = sorted((project / cfg.experiment.runs_dir / ".tracking" / "queue" / "failed").glob("*.json"))
@@ -213,7 +229,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - the UI is up either way
                 log.warning("no experiment page: %s", e)
         print(f"MLflow UI    {ui}")
-    print(f"In a new shell:  source .venv/bin/activate && source {env}")
+    import shlex
+
+    venv = Path(sys.executable).parent / "activate"
+    print(f"In a new shell:  source {shlex.quote(str(venv))} && source {shlex.quote(str(env))}")
     print("Then:           hacrl iterate      (or: prefect deployment run hacrl/iterate --watch; stop: make stop)")
     return 0
 
@@ -279,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")
     s.set_defaults(fn=cmd_stage)
+    ist = sub.add_parser("input-stamp", help="hash one input from outside the repository (dvc.yaml's "
+                                             "external-input stage: task files, real models)")
+    ist.add_argument("key")
+    ist.add_argument("--params", default=None)
+    ist.set_defaults(fn=cmd_input_stamp)
     tr = sub.add_parser("track", help="wait until every finished stage is logged to MLflow "
                                       "(stages queue their records; a background process logs them)")
     tr.add_argument("--params", default=None)
@@ -341,11 +365,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from hacrl.config import ConfigError
     from hacrl.data import DataError
-    from hacrl.errors import NonFiniteLossError
+    from hacrl.errors import NonFiniteLossError, UnsafeStateError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError, UnsafeStateError) as e:
         print(f"hacrl: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:

@@ -20,9 +20,11 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 KNOWN_ARCHS = ("gpt2", "llama", "qwen2")
 KNOWN_TOKENIZERS = ("bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram")
 KNOWN_LEVELS = ("add", "sub", "add3", "mul", "frac")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these makes a directory one AutoTokenizer can load."""
 
 
-GENERATED_KEYS = ("iterations", "agent_names")
+GENERATED_KEYS = ("iterations", "agent_names", "external_inputs")
 """Keys of params.yaml derived from the config for dvc.yaml's templating (foreach, plots)."""
 
 
@@ -429,8 +431,126 @@ def _build(cls: type, data: Any, key: str) -> Any:
                 raise ConfigError(f"{sub}: expected a list, got {v!r}")
             kwargs[k] = [_build(_LIST_OF[ftype[5:-1]], a, f"{sub}[{i}]") for i, a in enumerate(v)]
         else:
-            kwargs[k] = v
+            kwargs[k] = _typed(v, ftype if isinstance(ftype, str) else str(ftype), sub)
     return cls(**kwargs)
+
+
+_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _expected(t: str) -> str:
+    opts = [x.strip() for x in t.split("|")]
+    words = []
+    for x in opts:
+        if x == "None":
+            words.append("null")
+        elif x.startswith("list["):
+            words.append(f"a list of {_WORDS.get(x[5:-1], x[5:-1]).removeprefix('an ').removeprefix('a ')}s")
+        elif x.startswith("dict[str, "):
+            words.append(f"a mapping to {_WORDS.get(x[10:-1], x[10:-1]).removeprefix('an ').removeprefix('a ')}s")
+        else:
+            words.append(_WORDS.get(x, x))
+    return " or ".join(words)
+
+
+def _scalar_ok(v: Any, t: str) -> bool:
+    if t == "Any":
+        return True
+    if t == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t in ("str", "bool"):
+        return isinstance(v, {"str": str, "bool": bool}[t])
+    return True  # a type this check does not know is left to validate()
+
+
+def _typed(v: Any, ftype: str, key: str) -> Any:
+    """``v`` as field type ``ftype`` (a string annotation) or a one-line ConfigError naming the
+    key, the value and the type expected. Nothing is guessed: ``'1.0'`` (a quoted string) is not
+    a number, ``'false'`` is not false; an integer where a number is expected becomes a float."""
+    opts = [x.strip() for x in ftype.split("|")]
+    if v is None:
+        if "None" in opts or "Any" in opts:
+            return None
+        raise ConfigError(f"{key}: invalid value None (expected {_expected(ftype)})")
+    base = [x for x in opts if x != "None"]
+    if len(base) != 1:
+        return v
+    t = base[0]
+    bad = ConfigError(f"{key}: invalid value {v!r} (expected {_expected(ftype)})")
+    if t.startswith("list["):
+        if not isinstance(v, list) or not all(_scalar_ok(x, t[5:-1]) for x in v):
+            raise bad
+        return [float(x) for x in v] if t == "list[float]" else v
+    if t.startswith("dict[str, "):
+        if not isinstance(v, dict) or not all(_scalar_ok(x, t[10:-1]) for x in v.values()):
+            raise bad
+        return v
+    if not _scalar_ok(v, t):
+        raise bad
+    return float(v) if t == "float" else v
+
+
+# Ranges of the numeric fields validate() does not check with a reason of its own:
+# key -> (low, high, low included, high included); None: unbounded on that side.
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "experiment.seed": (0, None, True, True),
+    "experiment.iterations": (1, None, True, True),
+    "experiment.threads": (1, None, True, True),
+    "data.max_operand": (1, None, True, True),
+    "data.dev_size": (1, None, True, True),
+    "data.heldout_fraction": (0, 1, False, False),
+    "rollout.batch_size": (1, None, True, True),
+    "trainer.lr_warmup_updates": (0, None, True, True),
+    "trainer.epochs": (1, None, True, True),
+    "trainer.grad_clip": (0, None, False, True),
+    "trainer.weight_decay": (0, None, True, True),
+    "reward.timeout_s": (0, None, False, True),
+    "reward.workers": (1, None, True, True),
+    "eval.batch_size": (1, None, True, True),
+    "eval.max_new_tokens": (1, None, True, True),
+    "orchestration.retry_delay_s": (0, None, True, True),
+}
+AGENT_RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "tokenizer.vocab_size": (1, None, True, True),
+    "warmup.max_steps": (0, None, True, True),
+    "warmup.min_steps": (0, None, True, True),
+    "warmup.lr": (0, None, False, True),
+    "warmup.batch_size": (1, None, True, True),
+    "warmup.eval_every": (1, None, True, True),
+}
+
+
+def _in_range(key: str, value: float, rng: tuple) -> None:
+    lo, hi, lo_in, hi_in = rng
+    ok = (lo is None or (value >= lo if lo_in else value > lo)) and (hi is None or (value <= hi if hi_in else value < hi))
+    if not ok:
+        left = "" if lo is None else f"{'>=' if lo_in else '>'} {lo:g}"
+        right = "" if hi is None else f"{'<=' if hi_in else '<'} {hi:g}"
+        raise ConfigError(f"{key}: invalid value {value!r} (must be {' and '.join(x for x in (left, right) if x)})")
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _typed_options(section: Any, table: dict, key: str) -> None:
+    """The options of a registered estimator or loss, typed like every other field (their
+    ranges are the options dataclass's own checks)."""
+    import typing
+
+    if not isinstance(section, dict) or section.get("name") not in table:
+        return  # build_options says what is wrong
+    cls = table[section["name"]].options
+    hints = typing.get_type_hints(cls)
+    for k, v in section.items():
+        if k != "name" and k in hints:
+            t = hints[k]
+            name = t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
+            section[k] = _typed(v, name, f"{key}.{k}")
 
 
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
@@ -442,8 +562,24 @@ def validate(cfg: Config) -> Config:
     """Check every value a stage relies on; raise ConfigError naming the first bad key."""
     from hacrl import algorithms  # registry lives there
 
+    import re
+
+    # the name becomes an MLflow experiment, registered-model prefix and Prefect artifact key
+    _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}", cfg.experiment.name)), "experiment.name",
+           cfg.experiment.name, "letters, digits, spaces, '.', '_' and '-', starting with a letter or digit")
+    for key, rng in RANGES.items():
+        _in_range(key, _get(cfg, key), rng)
+    for i, ag in enumerate(cfg.agents):
+        for key, rng in AGENT_RANGES.items():
+            _in_range(f"agents[{i}].{key}", _get(ag, key), rng)
+    t = cfg.trainer
+    _check(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "trainer.adam_betas", t.adam_betas,
+           "two numbers in [0, 1)")
+
     a = cfg.algorithm
     _check(isinstance(a.name, str) and bool(a.name.strip()), "algorithm.name", a.name, "a non-empty label")
+    for sec, table in (("advantage", algorithms.ADVANTAGES), ("loss", algorithms.LOSSES)):
+        _typed_options(getattr(a, sec), table, f"algorithm.{sec}")
     a.advantage = algorithms.build_options(algorithms.ADVANTAGES, a.advantage, "algorithm.advantage")
     a.loss = algorithms.build_options(algorithms.LOSSES, a.loss, "algorithm.loss")
     _check(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
@@ -581,6 +717,8 @@ def validate(cfg: Config) -> Config:
     _check(d.completion == "answer" or d.source == "procedural", "data.completion", d.completion,
            "worked solutions exist for the procedural task only")
     if d.source == "procedural":
+        for key in ("train_size", "heldout_size"):  # unused by files (their rows are the data)
+            _in_range(f"data.{key}", getattr(d, key), (1, None, True, True))
         for lvl, w in d.levels.items():
             _check(lvl in KNOWN_LEVELS, f"data.levels.{lvl}", w, f"unknown level; choose from {', '.join(KNOWN_LEVELS)}")
             _check(float(w) >= 0, f"data.levels.{lvl}", w, "weight must be >= 0")
@@ -604,6 +742,12 @@ def validate(cfg: Config) -> Config:
             _check(ag.path is not None, f"{key}.path", ag.path, "a fetched model needs the directory to write it to")
         elif ag.path is not None:
             _check(Path(ag.path).is_dir(), f"{key}.path", ag.path, "model path does not exist")
+            _check((Path(ag.path) / "config.json").is_file(), f"{key}.path", ag.path,
+                   "no config.json: not a Hugging Face model directory")
+            tok = Path(ag.tokenizer.path or ag.path)
+            _check(tok.is_dir() and any((tok / f).is_file() for f in TOKENIZER_FILES),
+                   f"{key}.tokenizer.path" if ag.tokenizer.path else f"{key}.path", str(tok),
+                   f"no tokenizer files ({', '.join(TOKENIZER_FILES)})")
         else:
             _check(ag.arch in KNOWN_ARCHS, f"{key}.arch", ag.arch, f"choose from {', '.join(KNOWN_ARCHS)}")
             _check(ag.tokenizer.kind in KNOWN_TOKENIZERS, f"{key}.tokenizer.kind", ag.tokenizer.kind,
@@ -616,6 +760,11 @@ def validate(cfg: Config) -> Config:
 
 def from_dict(data: dict) -> Config:
     """Build and validate a Config from a plain mapping (e.g. loaded params.yaml)."""
+    table = data.get("iterations")
+    n = (data.get("experiment") or {}).get("iterations") if isinstance(data.get("experiment"), dict) else None
+    if isinstance(table, dict) and isinstance(n, int) and len(table) != n:
+        raise ConfigError(f"experiment.iterations: invalid value {n} (the iteration table dvc.yaml runs has "
+                          f"{len(table)} entries: edit conf/ and run `hacrl config`, not params.yaml)")
     data = {k: v for k, v in data.items() if k not in GENERATED_KEYS}
     return validate(_build(Config, data, ""))
 
@@ -660,6 +809,56 @@ def _agent_overrides(overrides: list[str], conf_dir: Path) -> list[str]:
     return out
 
 
+def _check_override_key(ov: str, conf_dir: Path) -> None:
+    """An override's key must name a config group or a field: else one line naming the key and
+    what exists there (Hydra's own message says only that it could not override)."""
+    import difflib
+    import typing
+
+    key = ov.lstrip("+~").partition("=")[0]
+    parts = key.split(".")
+    if parts[0] in ("hydra", "agents") or ov.startswith("+"):
+        return  # Hydra's own settings; agents (resolved above); an explicit addition
+    cls: Any = Config
+    for i, part in enumerate(parts):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return  # a mapping (model_config, levels...) or an option dataclass chosen by name
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            where = ".".join(parts[:i]) or "the config"
+            groups = sorted(p.name for p in conf_dir.iterdir() if p.is_dir()) if i == 0 else []
+            close = difflib.get_close_matches(part, names + groups, n=1)
+            hint = f"did you mean {'.'.join([*parts[:i], close[0]])!r}? " if close else ""
+            raise ConfigError(f"{key}: unknown key ({hint}{where} has: {', '.join(names)})")
+        if cls is AlgorithmConfig and part in ("advantage", "loss"):
+            return  # options of the registered estimator / loss: checked by their dataclass
+        cls = hints.get(part)
+
+
+NO_EXTERNAL_INPUT = "conf/config.yaml"
+"""The path of the placeholder entry when nothing outside the repository is read (a file that
+is always there; its stamp is a constant, so editing it makes nothing stale)."""
+
+
+def external_inputs(cfg: Config) -> dict[str, dict[str, str]]:
+    """What the experiment reads from outside the repository, for ``dvc.yaml``'s
+    ``external-input`` stages (one per entry, the path its dependency): the task files and
+    every real agent's model and tokenizer directories. A fetched model is written by
+    prepare-pool itself (its fetch spec is in the params), so it is not one."""
+    out: dict[str, dict[str, str]] = {}
+    d = cfg.data
+    if d.source == "files":
+        out["data-train"] = {"path": str(d.train_path)}
+        out["data-heldout"] = {"path": str(d.heldout_path)}
+    for a in cfg.agents:
+        if a.path is not None and a.fetch is None:
+            out[f"agent-{a.name}"] = {"path": str(a.path)}
+            if a.tokenizer.path and str(a.tokenizer.path) != str(a.path):
+                out[f"tokenizer-{a.name}"] = {"path": str(a.tokenizer.path)}
+    return out or {"none": {"path": NO_EXTERNAL_INPUT}}
+
+
 def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> dict:
     """Compose ``conf/`` with Hydra overrides into the plain dict written to params.yaml.
     One agent's setting: ``agents.NAME.key=value`` (or ``agents.N.key=value``)."""
@@ -669,6 +868,8 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
     from omegaconf import OmegaConf
 
     overrides = _agent_overrides(list(overrides or []), conf_dir)
+    for ov in overrides:
+        _check_override_key(ov, conf_dir)
     for ov in overrides or []:
         key, _, value = ov.lstrip("+~").partition("=")
         group_dir = conf_dir / key
@@ -694,6 +895,7 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
     data["algorithm"] = dataclasses.asdict(cfg.algorithm)
     data["iterations"] = iteration_table(int(data["experiment"]["iterations"]))
     data["agent_names"] = [a["name"] for a in data["agents"]]
+    data["external_inputs"] = external_inputs(cfg)
     return data
 
 
@@ -729,11 +931,34 @@ def write_params(data: dict, path: Path) -> None:
     atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False))
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``5e-4`` as the float YAML 1.2 (Hydra, DVC) reads, not as
+    a string (YAML 1.1 wants a dot in a float)."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    __import__("re").compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """A YAML file as Hydra and DVC read it (``5e-4`` is a number); a syntax error is one line."""
+    try:
+        with open(path) as f:
+            return yaml.load(f, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+
+
 def load(path: str | os.PathLike | None = None) -> Config:
     """Load and validate params.yaml (``HACRL_PARAMS`` or ./params.yaml by default)."""
     p = Path(path or os.environ.get("HACRL_PARAMS", "params.yaml"))
     if not p.exists():
         raise ConfigError(f"params: file {str(p)!r} does not exist (run `hacrl config` first)")
-    with open(p) as f:
-        data = yaml.safe_load(f)
+    data = read_yaml(p)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of settings, got {type(data).__name__}")
     return from_dict(data or {})

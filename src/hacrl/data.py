@@ -127,8 +127,18 @@ def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Pro
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
         rows = [(i + 1, rec) for i, rec in enumerate(df.to_dict(orient="records"))]
     else:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f, 1):
+                if len(raw) > MAX_LINE_BYTES:  # never parsed: a task row is not megabytes long
+                    rows.append((i, DataError(f"{path}:{i}: line of {len(raw):,} bytes, over the "
+                                                 f"{MAX_LINE_BYTES:,}-byte limit of a task row")))
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    rows.append((i, DataError(f"{path}:{i}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                                 f"{e.start + 1})")))
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -158,6 +168,13 @@ def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Pro
     return out, skipped
 
 
+MAX_LINE_BYTES = 1 << 20
+"""A JSONL line longer than this is refused unparsed."""
+MAX_PROBLEM_CHARS = 16_384
+MAX_ANSWER_CHARS = 1_024
+"""Longer problems or answers are refused (a 10 MB problem took prepare-pool past 8 GB)."""
+
+
 def _row_error(rec: object) -> str | None:
     if isinstance(rec, DataError):
         return str(rec)
@@ -170,6 +187,9 @@ def _row_error(rec: object) -> str | None:
         return "field 'problem' must be a non-empty string"
     if not isinstance(rec["answer"], (str, int, float)) or not str(rec["answer"]).strip():
         return "field 'answer' must be a non-empty string or number"
+    for k, limit in (("problem", MAX_PROBLEM_CHARS), ("answer", MAX_ANSWER_CHARS)):
+        if len(str(rec[k])) > limit:
+            return f"field {k!r} has {len(str(rec[k])):,} characters, over the limit of {limit:,}"
     return None
 
 

@@ -50,7 +50,13 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
     if not os.environ.get("PREFECT_API_URL"):  # Prefect would start a throwaway server of its own
         raise NoPrefect("no Prefect server: run `make serve` first (hacrl iterate finds its services; "
                         "elsewhere `source .services.env`)")
-    t = next_iteration(project, iteration)
+    if overrides:  # refused here, before a flow run exists (the flow recomposes params.yaml with them)
+        from hacrl.config import compose
+
+        compose(list(overrides))
+    # with overrides the iteration is chosen once params.yaml is recomposed: the flow names its run then
+    t = None if overrides else next_iteration(project, iteration)
+    name = f"iterate-it{t}" if t is not None else "iterate"
     params: dict = {"project_dir": str(project)}
     if iteration is not None:
         params["iteration"] = iteration
@@ -61,7 +67,7 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
     try:
         with get_client(sync_client=True) as client:
             dep = client.read_deployment_by_name(DEPLOYMENT)
-            fr = client.create_flow_run_from_deployment(dep.id, parameters=params, name=f"iterate-it{t}")
+            fr = client.create_flow_run_from_deployment(dep.id, parameters=params, name=name)
     except ObjectNotFound:
         raise NoPrefect(f"no deployment {DEPLOYMENT} on {os.environ.get('PREFECT_API_URL', 'this Prefect')}: "
                         f"run `make serve` first") from None
@@ -69,10 +75,10 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
         raise NoPrefect(f"no Prefect server at {os.environ.get('PREFECT_API_URL', '(PREFECT_API_URL unset)')}: "
                         f"run `make serve` (and `source .services.env`) first ({type(e).__name__})") from None
     ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
-    out(f"flow run iterate-it{t} created: {ui}/runs/flow-run/{fr.id}" if ui else f"flow run iterate-it{t}: {fr.id}")
+    out(f"flow run {name} created: {ui}/runs/flow-run/{fr.id}" if ui else f"flow run {name}: {fr.id}")
     if not watch:
         return 0
-    seen: dict[str, tuple[str, int]] = {}
+    said: dict[str, set] = {}  # per task: what was printed (a start, each retry, the end)
     t0 = time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
@@ -80,16 +86,19 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
             tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
             for tr in sorted(tasks, key=lambda x: x.created):
                 state = tr.state_type.value if tr.state_type else "PENDING"
-                key = (state, tr.run_count)
-                if state not in _MARK or seen.get(tr.name) == key:
+                if state not in _MARK:
                     continue  # scheduled, pending, awaiting a retry: nothing to say yet
-                seen[tr.name] = key
-                if state == "RUNNING" and tr.run_count > 1:
+                done = said.setdefault(tr.name, set())
+                if "start" not in done:  # also for a task that started and ended between two polls
+                    out(f"  ▶ {tr.name}")
+                    done.add("start")
+                if tr.run_count > 1 and ("retry", tr.run_count) not in done:
                     out(f"  ↻ {tr.name} (attempt {tr.run_count})")
-                elif state == "COMPLETED":
-                    out(f"  ✓ {tr.name} ({tr.total_run_time.total_seconds():.1f} s)")
-                else:
-                    out(f"  {_MARK[state]} {tr.name}")
+                    done.add(("retry", tr.run_count))
+                if state != "RUNNING" and ("end", state, tr.run_count) not in done:
+                    took = f" ({tr.total_run_time.total_seconds():.1f} s)" if state == "COMPLETED" else ""
+                    out(f"  {_MARK[state]} {tr.name}{took}")
+                    done.add(("end", state, tr.run_count))
             if run.state is not None and run.state.is_final():
                 break
             time.sleep(poll_s)

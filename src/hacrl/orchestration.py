@@ -18,18 +18,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
-from hacrl.config import ConfigError, compose, from_dict, iteration_table, keep_extension, write_params
+from hacrl.config import ConfigError, compose, from_dict, iteration_table, keep_extension, read_yaml, write_params
 
 log = logging.getLogger(__name__)
 
 ITERATION_STAGES = ("generate-rollouts", "verify-rewards", "exchange-and-align",
                     "compute-capability-stats", "update-policies", "evaluate")
 PREPARE_STAGES = ("prepare-data", "prepare-pool", "evaluate-warmup")
+INPUT_STAGE = "external-input"
+"""dvc.yaml's stage (one per input outside the repository) that prepare-data and prepare-pool read."""
 GPU_STAGES = ("update-policies",)
 LOCK_FILE = ".hacrl-iterate.lock"
 NO_RETRY_EXIT_CODES = (2, 3)
@@ -125,8 +127,8 @@ def stage_id(stage: str, t: int) -> str:
 
 
 def read_params(project: Path) -> dict:
-    with open(project / "params.yaml") as f:
-        return yaml.safe_load(f) or {}
+    """params.yaml as DVC and Hydra read it (``5e-4`` is a number)."""
+    return read_yaml(project / "params.yaml") or {}
 
 
 def set_iterations(project: Path, n: int) -> dict:
@@ -138,8 +140,8 @@ def set_iterations(project: Path, n: int) -> dict:
     """
     data = read_params(project)
     data["experiment"]["iterations"] = int(n)
-    from_dict(data)
     data["iterations"] = iteration_table(int(n))
+    from_dict(data)
     write_params(data, project / "params.yaml")
     return data
 
@@ -152,14 +154,33 @@ def dvc_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def stale_stages(project: Path) -> set[str]:
-    """Names of the stages ``dvc status`` reports as changed (missing outputs included)."""
+def dvc_status(project: Path) -> dict:
+    """``dvc status --json``: stage -> what changed (deps, outs, params)."""
     p = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project, env=dvc_env(),
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise StageFailed("dvc status", p.returncode, (p.stdout + p.stderr)[-3000:])
     out = p.stdout.strip()
-    return set(json.loads(out)) if out else set()
+    return json.loads(out) if out else {}
+
+
+def stale_stages(project: Path) -> set[str]:
+    """Names of the stages ``dvc status`` reports as changed (missing outputs included)."""
+    return set(dvc_status(project))
+
+
+def changed_outputs(status: dict) -> dict[str, dict[str, str]]:
+    """Per stage, the outputs that differ on disk from what DVC recorded (damaged or edited since
+    the stage wrote them), from :func:`dvc_status`'s answer. Missing outputs are left out: a
+    stage that never ran has them too."""
+    out: dict[str, dict[str, str]] = {}
+    for stage, changes in status.items():
+        for ch in changes if isinstance(changes, list) else []:
+            if isinstance(ch, dict) and isinstance(ch.get("changed outs"), dict):
+                mod = {p: why for p, why in ch["changed outs"].items() if why == "modified"}
+                if mod:
+                    out.setdefault(stage, {}).update(mod)
+    return out
 
 
 @dataclass
@@ -173,6 +194,11 @@ class Plan:
     """Whether the preparation stages (data, pool, warm-up eval) must run first."""
     extended: bool
     stale: set[str]
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    """The ``external-input@KEY`` stages to run first (an input outside the repository changed)."""
+    changed: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Stage -> its outputs that differ on disk from DVC's record (``modified``, ``deleted``): the
+    run restores them (DVC's run cache) or writes them again when it reaches that stage."""
 
 
 def plan_iteration(project: Path, iteration: int | None = None, overrides: list[str] | None = None) -> Plan:
@@ -186,15 +212,17 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
         keep_extension(data, overrides, project / "params.yaml")
         write_params(data, project / "params.yaml")
     n = int(read_params(project)["experiment"]["iterations"])
-    stale = stale_stages(project)
+    status = dvc_status(project)
+    stale = set(status)
     iteration = _choose(n, stale, iteration)
     extended = iteration == n + 1
     if extended:
         set_iterations(project, iteration)
         n = iteration
         stale = stale_stages(project)
-    prepare = any(s in stale for s in PREPARE_STAGES)
-    return Plan(iteration, n, prepare, extended, stale)
+    inputs = sorted(s for s in stale if s.startswith(INPUT_STAGE + "@"))
+    prepare = bool(inputs) or any(s in stale for s in PREPARE_STAGES)
+    return Plan(iteration, n, prepare, extended, stale, inputs, changed_outputs(status))
 
 
 def next_iteration(project: Path, iteration: int | None = None) -> int:

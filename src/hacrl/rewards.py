@@ -87,6 +87,38 @@ def gold_expression(answer: str) -> str:
     return f"$\\boxed{{{answer}}}$"
 
 
+class _Timeouts(logging.Handler):
+    """Counts math-verify's own timeouts. It catches them itself and returns "nothing parsed"
+    or "not equal", saying so only in a warning ("Timeout during parsing/comparison"); a check
+    that met one is a ``timeout``, not a ``no_answer`` or ``wrong``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Timeout during"):
+            self.hits += 1
+
+
+_TIMEOUTS: _Timeouts | None = None
+
+
+def _timeouts() -> _Timeouts:
+    """The counter, on the loggers math-verify reports its timeouts with (their warnings are
+    counted, not printed). Their own level is set, so a quieter ``math_verify`` parent logger
+    (a caller silencing it) does not hide a timeout."""
+    global _TIMEOUTS
+    if _TIMEOUTS is None:
+        _TIMEOUTS = _Timeouts()
+        for name in ("math_verify.parser", "math_verify.grader"):
+            lg = logging.getLogger(name)
+            lg.addHandler(_TIMEOUTS)
+            lg.setLevel(logging.WARNING)
+            lg.propagate = False
+    return _TIMEOUTS
+
+
 def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, list] | None = None) -> str:
     """Verify one response against one gold answer (gold first; math-verify is not symmetric).
 
@@ -101,6 +133,8 @@ def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, lis
     from math_verify import parse, verify
 
     t = max(1, int(timeout_s))
+    clock = _timeouts()
+    before = clock.hits
     g = golds.get(gold) if golds is not None else None
     if g is None:
         g = parse(gold_expression(gold), parsing_timeout=t)
@@ -108,12 +142,18 @@ def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, lis
             if len(golds) >= GOLD_CACHE:
                 del golds[next(iter(golds))]  # the oldest: the samples of one prompt come together
             golds[gold] = g
-    if not g:
+    if clock.hits > before:
+        return TIMEOUT
+    if not _converted(g):  # nothing, or only math-verify's fallback string: no gold to compare with
         return GOLD_UNPARSEABLE
     p = parse(response, parsing_timeout=t)
+    if clock.hits > before:
+        return TIMEOUT
     if not p:
         return NO_ANSWER
-    return CORRECT if verify(g, p, timeout_seconds=t) else WRONG
+    if verify(g, p, timeout_seconds=t):
+        return CORRECT
+    return TIMEOUT if clock.hits > before else WRONG
 
 
 def _converted(parsed: list) -> bool:
@@ -144,11 +184,9 @@ def _widen_latex_cache(size: int) -> None:
 def worker_main() -> None:
     """A verifier process: says :data:`READY` once math-verify is imported, then reads
     ``[key, gold, response]`` JSON lines and writes ``[key, verdict]`` lines, in order."""
-    import logging as _logging
-
     import math_verify  # noqa: F401 - imported before the first answer, not charged to it
 
-    _logging.getLogger("math_verify").setLevel(_logging.CRITICAL)
+    _timeouts()  # math-verify's warnings: its timeouts counted, nothing printed
     _widen_latex_cache(LATEX_CACHE)
     timeout_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
     golds: dict[str, list] = {}

@@ -84,6 +84,16 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
     }
 
 
+def env_file_text(env: dict[str, str]) -> str:
+    """``.services.env``: every value single-quoted for the shell (a path with a space, a ``$`` or
+    a quote stays one literal word; nothing in it runs), the venv's bin put first on PATH."""
+    import shlex
+
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in env.items() if k != "PATH"]
+    lines.append(f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"")
+    return "# written by `make serve`; `source` it in a new shell\n" + "\n".join(lines) + "\n"
+
+
 def client_env(project: str | os.PathLike, base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) as a shell that sourced ``.services.env``
     sees it: the running services' variables (from their state file), none of another Prefect's
@@ -229,9 +239,7 @@ def serve(project: str | os.PathLike = ".", prefect_port: int = 4200, mlflow_por
         stop(project)
         raise
     log.info("services up in %.1fs", time.time() - t0)
-    lines = [f"export {k}={v}" for k, v in service_env(project, prefect_port, mlflow_port).items() if k != "PATH"]
-    lines.append(f"export PATH={Path(sys.executable).parent}:$PATH")
-    (project / ENV_FILE).write_text("# written by `make serve`; `source` it in a new shell\n" + "\n".join(lines) + "\n")
+    (project / ENV_FILE).write_text(env_file_text(service_env(project, prefect_port, mlflow_port)))
     return state
 
 

@@ -141,7 +141,10 @@ def prepare_pool(cfg: Config) -> dict:
     write_json(lay.capability(0), {"iteration": 0, "steps": []})
     write_json(lay.it(0) / "pool.json", without_timings(records))
     names = [a.name for a in cfg.agents]
-    return StageResult(records, agents={a: numbers({k: v for k, v in r.items() if k != "seconds"}) for a, r in records.items()},
+    # the pool's figures, without its wall-clock times
+    figures = {a: {k: ({x: y for x, y in v.items() if x != "seconds"} if isinstance(v, dict) else v)
+                   for k, v in r.items() if k != "seconds"} for a, r in records.items()}
+    return StageResult(records, agents={a: numbers(f) for a, f in figures.items()},
                        inputs=[Input("tasks/train", str(lay.tasks / "train.jsonl"), "warm-up"),
                                Input("tasks/dev", str(lay.tasks / "dev.jsonl"), "warm-up")],
                        checkpoints={a: str(lay.checkpoint(0, a)) for a in names})
@@ -353,7 +356,7 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     import pandas as pd
 
     from hacrl.experience import read_records, write_records
-    from hacrl.rewards import VerifierPool, reward_of
+    from hacrl.rewards import VERDICTS, VerifierPool, reward_of
 
     lay = _layout(cfg)
     stats = {}
@@ -381,8 +384,8 @@ def verify_rewards(cfg: Config, t: int) -> dict:
     for a in cfg.agents:
         counts = stats[a.name]["verdicts"]
         n = max(1, sum(counts.values()))
-        per[a.name] = {"reward_mean": stats[a.name]["reward_mean"],
-                       **{f"verdict_{k}": v / n for k, v in counts.items()}}
+        per[a.name] = {"reward_mean": stats[a.name]["reward_mean"],  # every kind: 0 is a count here
+                       **{f"verdict_{k}": counts.get(k, 0) / n for k in VERDICTS}}
     return StageResult(stats, agents=per, metrics={"killed_verifier_workers": pool.killed,
                                                    "fast_path_verdicts": pool.fast})
 
@@ -545,7 +548,8 @@ def update_policies(cfg: Config, t: int) -> dict:
             for n, st in stats.items()}
     return StageResult(
         stats, agents={n: numbers(keep[n], "train_") for n in names},
-        series={n: Series(int(st.get("total_updates", 0)) - int(st.get("updates", 0)),
+        # per-update figures at the learner's update count: 1 for its first update ever
+        series={n: Series(int(st.get("total_updates", 0)) - int(st.get("updates", 0)) + 1,
                           {f"train_update_{k}": v for k, v in st.get("per_update", {}).items()})
                 for n, st in stats.items()},
         inputs=(shard_inputs(lay.rollouts(t), names, "rollouts", t, "training")
@@ -661,7 +665,7 @@ def headline_metrics(metrics: dict) -> dict:
             "agents": {a: {k: m[k] for k in HEADLINE if k in m} for a, m in metrics["agents"].items()}}
 
 
-def report(cfg: Config) -> Path:
+def report(cfg: Config) -> StageResult:
     """``reports/summary.json``, per-iteration curves (CSV, for ``dvc plots``) and PNG plots."""
     from hacrl.report import write_report
 
@@ -670,11 +674,10 @@ def report(cfg: Config) -> Path:
     pool = read_json(lay.it(0) / "pool.json")
     out = write_report(history, pool, Path(cfg.experiment.reports_dir))
     reports = Path(cfg.experiment.reports_dir)
-    # what write_report wrote: the files at the top and the plots' tables (not the comparison
-    # suites' or benchmarks' folders that live beside them)
-    files = sorted(p for p in [*reports.glob("*"), *reports.glob("plots/*")] if p.is_file()
-                   and not p.name.startswith("."))
-    return StageResult({"summary": str(out)}, artifacts=[str(p) for p in files])
+    # what write_report wrote (not the comparison reports, benchmarks and notes beside them)
+    files = [reports / "summary.json", reports / "README.md", *sorted(reports.glob("*.png")),
+             *sorted(reports.glob("plots/*.csv"))]
+    return StageResult({"summary": str(out)}, artifacts=[str(p) for p in files if p.is_file()])
 
 
 STAGES = {

@@ -106,7 +106,7 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
     """
     from hacrl import config as config_mod
     from hacrl.stage_result import StageResult
-    from hacrl.tracking import Tracker
+    from hacrl.tracking import Tracker, foreign_store
 
     project_dir = Path(project_dir)
     d = project_dir / runs_dir / ".tracking"
@@ -121,6 +121,10 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
             try:
                 rec = json.loads(path.read_text())
                 cfg = config_mod.from_dict(rec["config"])
+                foreign = foreign_store(cfg, project_dir)
+                if foreign:  # records copied along with a workspace: never into the other's store
+                    log.warning("%s; %d records stay queued", foreign, len(pending(project_dir, runs_dir)))
+                    return logged
                 key = (rec["git_commit"], rec["flow_run_id"], rec["tracking_uri"], cfg.experiment.name)
                 if key not in trackers:  # one MLflow client per flusher (and commit, flow run, experiment)
                     trackers[key] = Tracker(cfg, project_dir, commit=rec["git_commit"],

@@ -77,10 +77,11 @@ def foreign_store(cfg: Config, project_dir: Path) -> str | None:
     import sqlite3
     import urllib.parse
 
-    if cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"):
-        return None
     project = Path(project_dir).resolve()
     db = project / "mlflow.db"
+    chosen = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if chosen and chosen != f"sqlite:///{db}":  # `make serve` exports the project's own store
+        return None
     if not db.is_file():
         return None
     try:
@@ -157,6 +158,15 @@ def git_commit(project_dir: Path) -> str:
         return "unknown"
 
 
+_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``scheme://user:secret@host`` as ``scheme://***@host``: credentials in a URI (a tracking
+    server's, a remote's) never reach MLflow's params."""
+    return _CREDENTIALS.sub("***@", text)
+
+
 def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     """Nested mappings/lists as ``a.b.0.c`` -> str(value), the shape of MLflow params."""
     out: dict[str, str] = {}
@@ -167,7 +177,7 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
         for i, v in enumerate(obj):
             out.update(flatten(v, f"{prefix}{i}."))
     else:
-        out[sanitize(prefix.rstrip("."))] = str(obj)[:6000]
+        out[sanitize(prefix.rstrip("."))] = redact(str(obj))[:6000]
     return out
 
 
@@ -236,12 +246,18 @@ class Tracker:
         return read_json(ptr) if ptr.exists() else {}
 
     def _alive(self, run_id: str | None) -> bool:
+        """Whether ``run_id`` is a run of this store not deleted in the UI. Any other failure (a
+        locked database) is raised: taking a live run for gone would orphan every run after it."""
+        from mlflow.exceptions import MlflowException
+
         if not run_id:
             return False
         try:
             return self.client.get_run(run_id).info.lifecycle_stage == "active"
-        except Exception:  # deleted in the UI, or another store
-            return False
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
 
     def _open(self, run_id: str) -> None:
         if self.client.get_run(run_id).info.status != "RUNNING":
@@ -262,8 +278,10 @@ class Tracker:
             tags["hacrl.supersedes"] = doc["experiment_run"]
         run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
         self._log_params(run_id, flatten(dataclasses.asdict(self.cfg)))
+        # the logged models stay: a checkpoint is the same model whichever run logged it
         write_json(self._pointer(), {"experiment_id": self.experiment_id, "digest": digest,
-                                     "experiment_run": run_id, "agents": {}, "iterations": {}})
+                                     "experiment_run": run_id, "agents": {}, "iterations": {},
+                                     "models": doc.get("models", {})})
         return run_id
 
     def agent_run(self, agent: str, start_ms: int | None = None) -> str:
@@ -468,6 +486,13 @@ class Tracker:
             path = self.project / ckpt
             if not path.is_dir():
                 continue
+            same = self._model_of(agent, t, path)
+            if same is not None:  # a rerun wrote the identical checkpoint: the same model
+                outs.append(LoggedModelOutput(same, t))
+                doc = self._runs()
+                doc.setdefault("models", {})[f"{agent}@it{t}"] = same
+                write_json(self._pointer(), doc)
+                continue
             rel = path.relative_to(self.project).as_posix()
             tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "hacrl.agent": agent, "hacrl.iteration": str(t),
                     "hacrl.checkpoint": rel, "hacrl.checkpoint_uri": path.as_uri(), "hacrl.dvc_hash": self._hash(path),
@@ -500,19 +525,23 @@ class Tracker:
                                                             f"(alias itT), weights in the DVC workspace")
         except MlflowException:
             pass  # exists already
-        import mlflow
+        from mlflow.tracking._tracking_service import utils as mlflow_uri
 
         # a ``models:/<id>`` source links the version to the logged model; MLflow resolves it with
-        # the global tracking URI, so that is this store's for the call
-        before = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.uri)
+        # the global tracking URI, so that is this store's for the call. Setting it also writes
+        # $MLFLOW_TRACKING_URI, which is put back as it was afterwards.
+        env_before = os.environ.get("MLFLOW_TRACKING_URI")
         try:
-            mv = self.client.create_model_version(
-                name, source=f"models:/{model.model_id}", run_id=model.source_run_id,
-                tags={k.removeprefix("hacrl."): v for k, v in model.tags.items() if k.startswith("hacrl.")},
-                description=f"{agent} after iteration {t}", model_id=model.model_id)
+            with mlflow_uri._use_tracking_uri(self.uri):
+                mv = self.client.create_model_version(
+                    name, source=f"models:/{model.model_id}", run_id=model.source_run_id,
+                    tags={k.removeprefix("hacrl."): v for k, v in model.tags.items() if k.startswith("hacrl.")},
+                    description=f"{agent} after iteration {t}", model_id=model.model_id)
         finally:
-            mlflow.set_tracking_uri(before)
+            if env_before is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = env_before
         self.client.set_registered_model_alias(name, f"it{t}", mv.version)
         self.client.set_logged_model_tags(model.model_id, {"hacrl.model_version": f"{name}/{mv.version}"})
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hacrl.config import TrainerConfig
-from hacrl.errors import NonFiniteLossError
+from hacrl.errors import NonFiniteLossError, UnsafeStateError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,44 @@ class TrainState:
     """Counters of the recovery state (optimizer and RNG states travel in the same checkpoint)."""
 
     updates: int = 0
+
+
+def _state_globals() -> list:
+    """What a recovery state may hold besides tensors and containers: numpy's RNG state array,
+    and the three plain data classes DeepSpeed's ZeRO 1-2 optimizer files hold (a loss-scaler
+    record, a fragment address, the ZeRO stage enum; none defines ``__setstate__`` or
+    ``__reduce__``, so unpickling them only sets attributes)."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [LossScaler, ZeroStageEnum, fragment_address]
+    except ImportError:  # the torch backend's states hold none of them
+        pass
+    return allowed
+
+
+def check_state_file(path: Path) -> None:
+    """Refuse a recovery-state file that could run code when unpickled.
+
+    The file is read first by torch's weights-only unpickler, which builds tensors, numbers,
+    strings, containers and (allowed here) numpy arrays, and nothing else: a planted pickle that
+    calls ``os.system`` fails there, before any code of it runs. DeepSpeed (which unpickles its
+    checkpoints with ``weights_only=False``) then loads the same bytes, which can only rebuild
+    those types. Raises :class:`UnsafeStateError` naming the file.
+    """
+    try:
+        with torch.serialization.safe_globals(_state_globals()):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal: say which file and why, one line
+        why = str(e).splitlines()
+        hint = next((ln.strip() for ln in why if "GLOBAL" in ln or "Unsupported" in ln), why[0] if why else "")
+        raise UnsafeStateError(f"{path}: refusing to load this recovery state: it is not only tensors, numbers "
+                               f"and arrays ({type(e).__name__}: {hint[:200]}); was it replaced? Delete "
+                               f"{path.parent} and re-run the stage that wrote it") from None
 
 
 def capture_rng() -> dict:
@@ -214,12 +252,15 @@ class PolicyOptimizer:
                         state_dir, saved_ws, saved_zero, ws, self.cfg.zero_stage, counter)
             self.state.updates = int(counter)
             return
+        for f in sorted(state_dir.rglob("*.pt")):  # before anything unpickles them
+            check_state_file(f)
         if (state_dir / "state").is_dir() and self.engine is not None:
             _, client = self.engine.load_checkpoint(str(state_dir), tag="state",
                                                     load_optimizer_states=True,
                                                     load_lr_scheduler_states=False)
         elif (state_dir / "state.pt").exists() and self.engine is None:
-            client = torch.load(state_dir / "state.pt", weights_only=False)
+            with torch.serialization.safe_globals(_state_globals()):
+                client = torch.load(state_dir / "state.pt", map_location="cpu", weights_only=True)
             self.optimizer.load_state_dict(client["optimizer"])
         else:
             return

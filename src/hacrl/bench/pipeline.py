@@ -113,6 +113,7 @@ def scratch_workspace(size: str, ws: Path, project: Path) -> None:
         (ws / "data").mkdir()
         shutil.copytree(project / "data" / "tasks", ws / "data" / "tasks")
         shutil.copytree(project / "runs" / "it0", ws / "runs" / "it0")
+        _run([sys.executable, "-m", "dvc", "repro", "-q", "--glob", "external-input@*"], ws)
         _run([sys.executable, "-m", "dvc", "commit", "-f", "-q", "prepare-data", "prepare-pool", "evaluate-warmup"], ws)
     else:
         _run([sys.executable, "-m", "hacrl.cli", "config", *(SMOKE if size == "smoke" else []),

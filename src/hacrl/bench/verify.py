@@ -42,7 +42,7 @@ TIMEOUT_S = 2.0
 """``reward.timeout_s`` of every contender: short, so the pathological answers cost little."""
 
 PATHOLOGICAL = ("\\boxed{2^{2^{2^{20}}}}", "\\boxed{10^{10^{7}}}", "\\boxed{9^{9^{9}}}", "\\boxed{(10^{6})!}")
-"""Answers math-verify works on until its alarm (``timeout_s``) stops it; verdict ``wrong``."""
+"""Answers math-verify works on until its alarm (``timeout_s``) stops it; verdict ``timeout``."""
 UNPARSEABLE = ("I am not sure.", "the answer is a cat", "no idea", "Let me think about this step by step...",
                "\\boxed{}", "???")
 SIZES = {"smoke": {"prompts": 8, "agents": 2, "samples": 4, "pathological": 1, "bad_gold": 1},

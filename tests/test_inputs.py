@@ -1,0 +1,125 @@
+"""A stage checks the artifacts it reads against what their producing stages wrote (dvc.lock)
+before any work: a damaged or missing input is one line naming the file and the way back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hacrl.inputs import DamagedInput, dvc_stage_id, verify
+from hacrl.tracking import dvc_hash, file_md5
+
+DVC_YAML = {"stages": {
+    "prepare-data": {"cmd": "x", "outs": ["data/tasks"]},
+    "generate-rollouts": {"foreach": "${iterations}", "do": {
+        "cmd": "x", "deps": ["data/tasks", "runs/it${item.prev}/checkpoints", "src/hacrl/engines.py"],
+        "outs": ["runs/it${item.it}/rollouts"]}},
+    "update-policies": {"foreach": "${iterations}", "do": {
+        "cmd": "x", "deps": ["runs/it${item.it}/rollouts"], "outs": ["runs/it${item.it}/checkpoints"]}},
+}}
+
+
+def _workspace(tmp_path: Path) -> Path:
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML))
+    files = {"data/tasks/train.jsonl": "{}\n", "runs/it1/checkpoints/a/model.safetensors": "weights",
+             "runs/it1/checkpoints/a/config.json": "{}", "runs/it2/rollouts/a.parquet": "rows"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    lock = {"schema": "2.0", "stages": {
+        "prepare-data": {"outs": [{"path": "data/tasks", "md5": dvc_hash(tmp_path / "data/tasks")}]},
+        "update-policies@it1": {"outs": [{"path": "runs/it1/checkpoints", "md5": dvc_hash(tmp_path / "runs/it1/checkpoints")}]},
+    }}
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    # DVC's .dir manifest in the cache, as `dvc commit` leaves it
+    md5 = lock["stages"]["update-policies@it1"]["outs"][0]["md5"]
+    man = tmp_path / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+    man.parent.mkdir(parents=True)
+    ck = tmp_path / "runs/it1/checkpoints"
+    man.write_text(json.dumps([{"md5": file_md5(f), "relpath": f.relative_to(ck).as_posix()}
+                               for f in sorted(ck.rglob("*")) if f.is_file()]))
+    return tmp_path
+
+
+def test_intact_inputs_pass_and_stage_names_map_to_dvc():
+    assert dvc_stage_id("evaluate", 0) == "evaluate-warmup" and dvc_stage_id("evaluate", 3) == "evaluate@it3"
+    assert dvc_stage_id("prepare-pool", 0) == "prepare-pool"
+
+
+def test_a_damaged_checkpoint_is_named_before_the_stage_reads_it(tmp_path):
+    ws = _workspace(tmp_path)
+    assert verify(ws, "generate-rollouts@it2") == ["data/tasks", "runs/it1/checkpoints"]
+    (ws / "runs/it1/checkpoints/a/model.safetensors").write_text("weightz")  # one byte flipped
+    with pytest.raises(DamagedInput) as e:
+        verify(ws, "generate-rollouts@it2")
+    assert str(e.value) == (f"{ws / 'runs/it1/checkpoints/a/model.safetensors'}: not what update-policies@it1 wrote "
+                            "(dvc.lock has another hash): damaged or edited; `dvc checkout --force runs/it1/checkpoints` "
+                            "restores it from the cache, `dvc repro update-policies@it1` writes it again")
+    (ws / "runs/it1/checkpoints/a/model.safetensors").write_text("weights")
+    (ws / "runs/it1/checkpoints/a/extra.bin").write_text("planted")
+    with pytest.raises(DamagedInput, match="extra.bin \\(not written by it\\): not what update-policies@it1 wrote"):
+        verify(ws, "generate-rollouts@it2")
+
+
+def test_a_missing_input_says_which_stage_writes_it(tmp_path):
+    ws = _workspace(tmp_path)
+    with pytest.raises(DamagedInput) as e:
+        verify(ws, "update-policies@it3")
+    assert str(e.value) == "runs/it3/rollouts: missing; generate-rollouts@it3 writes it (`dvc repro generate-rollouts@it3`)"
+    assert verify(tmp_path / "nowhere", "update-policies@it3") == []  # no dvc.yaml: nothing to check against
+
+
+def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_running(tmp_path):
+    """Through the CLI, as DVC runs it (DVC_STAGE, DVC_ROOT): exit 2 (no retry), one line, nothing written."""
+    from conftest import SMOKE
+
+    from hacrl import config
+
+    ws = _workspace(tmp_path)
+    config.write_params(config.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
+    (ws / "runs/it1/checkpoints/a/model.safetensors").write_text("weightz")
+    env = {**os.environ, "DVC_STAGE": "generate-rollouts@it2", "DVC_ROOT": str(ws), "HACRL_STAGE_SERVER": "0"}
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "generate-rollouts", "--iteration", "2"], cwd=ws,
+                       env=env, capture_output=True, text=True)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        f"hacrl: error: {ws / 'runs/it1/checkpoints/a/model.safetensors'}: not what update-policies@it1 wrote")
+    assert sorted(x.name for x in (ws / "runs/it2/rollouts").iterdir()) == ["a.parquet"]  # nothing written
+
+
+def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_path):
+    from hacrl import config
+    from hacrl.inputs import stamp
+
+    model = tmp_path / "my model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    data = config.compose([f"agents.pool.1.path={model}"])
+    assert data["external_inputs"] == {"agent-llama-mid": {"path": str(model)}}
+    assert config.compose([])["external_inputs"] == {"none": {"path": "conf/config.yaml"}}
+    config.write_params(data, tmp_path / "params.yaml")
+    first = stamp(tmp_path, "agent-llama-mid").read_text()
+    assert json.loads(first) == {"input": "agent-llama-mid", "md5": dvc_hash(model)}
+    assert stamp(tmp_path, "agent-llama-mid").read_text() == first  # same content, same stamp
+    (model / "config.json").write_text('{"n_layer": 2}')
+    assert stamp(tmp_path, "agent-llama-mid").read_text() != first
+    with pytest.raises(Exception, match="external input 'agent-x': not in params.yaml"):
+        stamp(tmp_path, "agent-x")
+
+
+def test_a_damaged_parquet_shard_is_named(tmp_path):
+    ws = _workspace(tmp_path)
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())
+    lock["stages"]["generate-rollouts@it2"] = {"outs": [{"path": "runs/it2/rollouts",
+                                                        "md5": dvc_hash(ws / "runs/it2/rollouts")}]}
+    (ws / "dvc.lock").write_text(yaml.safe_dump(lock))
+    assert verify(ws, "update-policies@it2") == ["runs/it2/rollouts"]
+    with open(ws / "runs/it2/rollouts/a.parquet", "ab") as f:
+        f.write(b"\x00")  # a truncated or appended shard reads as garbage, or not at all
+    with pytest.raises(DamagedInput, match="runs/it2/rollouts: not what generate-rollouts@it2 wrote"):
+        verify(ws, "update-policies@it2")
