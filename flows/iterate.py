@@ -92,12 +92,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
     timeout = cfg.orchestration.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
     with workspace_lock(project, timeout, holder=f"flow run {runtime.flow_run.name} ({runtime.flow_run.id})"):
         plan = plan_iteration(project, iteration, overrides)
-        t = plan.iteration
-        _name_run(f"iterate-it{t}")
         cfg = config_mod.load(project / "params.yaml")
         o = cfg.orchestration
-        logger.info("iteration %d of %d%s%s", t, plan.configured, " (experiment extended by one)" if plan.extended
-                    else "", "; preparing data and pool first" if plan.prepare else "")
         for stage, outs in sorted(plan.changed.items()):  # said, not silently repaired
             logger.warning("%s: %s on disk, not what DVC recorded; the stage that wrote it is run again or "
                            "restored from DVC's run cache when this run reaches it", stage,
@@ -109,26 +105,38 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
         ensure_device_limits(sorted({x for v in tags.values() for x in v}))
         on_gpu = gpu_stages(cfg)
-        todo = [(INPUT_STAGE, s) for s in plan.inputs] + [(s, s) for s in PREPARE_STAGES if plan.prepare]
-        todo += [(s, stage_id(s, t)) for s in ITERATION_STAGES]
-        todo += [("report", "report")] if t == plan.configured else []
         done: dict[str, str] = {}
-        for i, (s, sid) in enumerate(todo, 1):
-            logger.info("stage %d/%d: %s", i, len(todo), sid)
-            opts = dict(name=s, task_run_name=sid, **retry)
-            try:
-                if s in on_gpu:
-                    done[sid] = gpu_stage.with_options(tags={*gpu_stage.tags, *tags[s]}, **opts)(
-                        str(project), sid, force and s in ITERATION_STAGES, o.gpu_routing, o.gpu_pool,
-                        o.gpu_deployment)
-                else:
-                    done[sid] = dvc_stage.with_options(tags={*dvc_stage.tags, *tags.get(s, ())}, **opts)(
-                        str(project), sid, force and s in ITERATION_STAGES)
-            except StageFailed as e:  # one line: the stage and why (the task's log has the rest)
-                _track(project, cfg, logger)
-                failure = IterationFailed(t, sid, e.reason)
-                logger.error("%s", failure)
-                raise failure from None
+
+        def run(todo: list[tuple[str, str]], t: int | None) -> None:
+            for i, (s, sid) in enumerate(todo, 1):
+                logger.info("stage %d/%d: %s", i, len(todo), sid)
+                opts = dict(name=s, task_run_name=sid, **retry)
+                try:
+                    if s in on_gpu:
+                        done[sid] = gpu_stage.with_options(tags={*gpu_stage.tags, *tags[s]}, **opts)(
+                            str(project), sid, force and s in ITERATION_STAGES, o.gpu_routing, o.gpu_pool,
+                            o.gpu_deployment)
+                    else:
+                        done[sid] = dvc_stage.with_options(tags={*dvc_stage.tags, *tags.get(s, ())}, **opts)(
+                            str(project), sid, force and s in ITERATION_STAGES)
+                except StageFailed as e:  # one line: the stage and why (the task's log has the rest)
+                    _track(project, cfg, logger)
+                    failure = IterationFailed(t, sid, e.reason)
+                    logger.error("%s", failure)
+                    raise failure from None
+
+        if plan.prepare:  # which iterations that leaves to do is known once it ran: plan again then
+            logger.info("preparing first: %s", ", ".join([*plan.inputs, *PREPARE_STAGES]))
+            run([(INPUT_STAGE, s) for s in plan.inputs] + [(s, s) for s in PREPARE_STAGES], None)
+            plan = plan_iteration(project, iteration)
+            if plan.iteration is None:
+                raise IterationFailed(None, ", ".join(sorted(plan.stale)), "still stale after preparing")
+        t = plan.iteration
+        _name_run(f"iterate-it{t}")
+        logger.info("iteration %d of %d%s", t, plan.configured, " (experiment extended by one)" if plan.extended
+                    else "")
+        run([(s, stage_id(s, t)) for s in ITERATION_STAGES] + ([("report", "report")] if t == plan.configured else []),
+            t)
         _track(project, cfg, logger)
         _publish(project, cfg, t, done, logger)
     logger.info("iteration %d done: %s", t, ", ".join(f"{s} {what}" for s, what in done.items()))

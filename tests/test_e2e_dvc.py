@@ -271,6 +271,11 @@ def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_
         f.write(json.dumps({"problem": "What is 100+1?", "answer": "101"}) + "\n")
     stale = json.loads(_run(["dvc", "status", "--json"], ws).stdout)
     assert "external-input@data-train" in stale and "external-input@data-heldout" not in stale
+    # an iterate flow run prepares first and chooses its iteration only after that
+    from hacrl.orchestration import plan_iteration
+
+    plan = plan_iteration(ws)
+    assert plan.iteration is None and plan.prepare and plan.inputs == ["external-input@data-train"]
     ran = _ran(_run(["dvc", "repro", "prepare-data"], ws).stdout)
     assert ran == ["external-input@data-train", "prepare-data"]
     assert read_json(ws / "data" / "tasks" / "manifest.json")["sizes"]["train"] == 51  # 61 rows less 10 for dev

@@ -88,7 +88,7 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith(
         f"hacrl: error: {ws / 'runs/it1/checkpoints/a/model.safetensors'}: not what update-policies@it1 wrote")
-    assert sorted(x.name for x in (ws / "runs/it2/rollouts").iterdir()) == ["a.parquet"]  # nothing written
+    assert not list(ws.rglob(".tmp-*")) and not (ws / "runs" / "it2" / "rollouts" / "gpt2-a.parquet").exists()
 
 
 def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_path):
@@ -101,7 +101,7 @@ def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_pat
     (model / "tokenizer.json").write_text("{}")
     data = config.compose([f"agents.pool.1.path={model}"])
     assert data["external_inputs"] == {"agent-llama-mid": {"path": str(model)}}
-    assert config.compose([])["external_inputs"] == {"none": {"path": "conf/config.yaml"}}
+    assert config.compose([])["external_inputs"] == {"none": {"path": "src/hacrl/no_external_input.txt"}}
     config.write_params(data, tmp_path / "params.yaml")
     first = stamp(tmp_path, "agent-llama-mid").read_text()
     assert json.loads(first) == {"input": "agent-llama-mid", "md5": dvc_hash(model)}
@@ -123,3 +123,16 @@ def test_a_damaged_parquet_shard_is_named(tmp_path):
         f.write(b"\x00")  # a truncated or appended shard reads as garbage, or not at all
     with pytest.raises(DamagedInput, match="runs/it2/rollouts: not what generate-rollouts@it2 wrote"):
         verify(ws, "update-policies@it2")
+
+
+def test_the_report_stage_resolves_params_in_its_paths(tmp_path):
+    """`runs/it${experiment.iterations}/history.json` is checked too (not only `${item.*}`)."""
+    ws = _workspace(tmp_path)
+    spec = yaml.safe_load((ws / "dvc.yaml").read_text())
+    spec["stages"]["report"] = {"cmd": "x", "deps": ["runs/it${experiment.iterations}/checkpoints/"]}
+    (ws / "dvc.yaml").write_text(yaml.safe_dump(spec))
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())
+    lock["stages"]["update-policies@it1"]["outs"][0]["path"] = "runs/it1/checkpoints"
+    (ws / "dvc.lock").write_text(yaml.safe_dump(lock))
+    (ws / "params.yaml").write_text("experiment: {iterations: 1}\n")
+    assert verify(ws, "report") == ["runs/it1/checkpoints"]  # the trailing slash normalised too

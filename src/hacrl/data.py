@@ -128,9 +128,9 @@ def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Pro
         rows = [(i + 1, rec) for i, rec in enumerate(df.to_dict(orient="records"))]
     else:
         with open(path, "rb") as f:
-            for i, raw in enumerate(f, 1):
-                if len(raw) > MAX_LINE_BYTES:  # never parsed: a task row is not megabytes long
-                    rows.append((i, DataError(f"{path}:{i}: line of {len(raw):,} bytes, over the "
+            for i, (raw, size) in enumerate(_capped_lines(f, MAX_LINE_BYTES), 1):
+                if raw is None:  # never held in memory, never parsed: a task row is not megabytes long
+                    rows.append((i, DataError(f"{path}:{i}: line of {size:,} bytes, over the "
                                                  f"{MAX_LINE_BYTES:,}-byte limit of a task row")))
                     continue
                 try:
@@ -166,6 +166,25 @@ def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Pro
     if not out:
         raise DataError(f"{path}: no valid rows")
     return out, skipped
+
+
+def _capped_lines(f, cap: int):
+    """``(line, size)`` per line of binary file ``f``; ``(None, size)`` for a line over ``cap``
+    bytes, which is skipped in chunks rather than read whole."""
+    while True:
+        line = f.readline(cap + 1)
+        if not line:
+            return
+        if len(line) <= cap or line.endswith(b"\n") and len(line) <= cap + 1:
+            yield line, len(line)
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+            if not line:
+                break
+            size += len(line)
+        yield None, size
 
 
 MAX_LINE_BYTES = 1 << 20

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 from pathlib import Path
 
@@ -43,27 +44,38 @@ def _load(path: Path) -> dict:
         return yaml.load(f, Loader=loader) or {}  # noqa: S506 - a safe loader
 
 
-def _resolve(entry: dict, it: int | None) -> dict:
-    """A stage of dvc.yaml with ``${item.it}``/``${item.prev}`` filled in (foreach stages)."""
+_VAR = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def _resolve(entry: dict, it: int | None, params: dict | None = None) -> dict:
+    """A stage of dvc.yaml with its paths' ``${...}`` filled in as DVC fills them: ``item.it``
+    and ``item.prev`` of a foreach stage, any other name from params.yaml; normalised."""
     body = entry.get("do", entry)
-    text = json.dumps({k: body.get(k, []) for k in ("deps", "outs")})
-    if it is not None:
-        text = text.replace("${item.it}", str(it)).replace("${item.prev}", str(it - 1))
-    d = json.loads(text)
+    values = {"item.it": it, "item.prev": None if it is None else it - 1}
+
+    def value(m: re.Match) -> str:
+        name = m.group(1)
+        if name in values:
+            return m.group(0) if values[name] is None else str(values[name])
+        v: object = params or {}
+        for part in name.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        return m.group(0) if v is None or isinstance(v, (dict, list)) else str(v)
 
     def paths(items: list) -> list[str]:
-        return [next(iter(x)) if isinstance(x, dict) else x for x in items]
+        raw = [next(iter(x)) if isinstance(x, dict) else x for x in items or []]
+        return [posixpath.normpath(_VAR.sub(value, p)) for p in raw]
 
-    return {"deps": paths(d["deps"]), "outs": paths(d["outs"])}
+    return {"deps": paths(body.get("deps")), "outs": paths(body.get("outs"))}
 
 
-def _stages(spec: dict, stage_id: str) -> dict | None:
+def _stages(spec: dict, stage_id: str, params: dict | None = None) -> dict | None:
     base, _, suffix = stage_id.partition("@")
     entry = spec.get("stages", {}).get(base)
     if entry is None:
         return None
     it = int(suffix[2:]) if suffix.startswith("it") and suffix[2:].isdigit() else None
-    return _resolve(entry, it)
+    return _resolve(entry, it, params)
 
 
 def producer_of(spec: dict, path: str) -> str | None:
@@ -100,23 +112,58 @@ def _differing_file(project: Path, path: Path, md5: str) -> str:
     return f"{path / extra[0]} (not written by it)" if extra else str(path)
 
 
+def _hash(project: Path, path: Path) -> str:
+    """DVC's hash of ``path``, each file's md5 memoised by (size, mtime, ctime, inode) in
+    ``.dvc/tmp/hacrl-md5.json``: a stage start stats its inputs instead of reading them again
+    (DVC hashed them a moment ago). Any write to a file changes its ctime, which no tool sets."""
+    from hacrl.storage import atomic_write_text
+    from hacrl.tracking import dvc_hash, file_md5
+
+    cache_file = project / ".dvc" / "tmp" / "hacrl-md5.json"
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    except (OSError, ValueError):
+        cache = {}
+    seen = {}
+
+    def md5_of(f: Path) -> str:
+        st = f.stat()
+        key = str(f.resolve())
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = cache.get(key)
+        if hit and hit[0] == stamp:
+            seen[key] = hit
+            return hit[1]
+        seen[key] = [stamp, file_md5(f)]
+        return seen[key][1]
+
+    h = dvc_hash(path, md5=md5_of)
+    if seen and cache_file.parent.is_dir():
+        cache.update(seen)
+        try:
+            atomic_write_text(cache_file, json.dumps(cache))
+        except OSError:  # a cache only
+            pass
+    return h
+
+
 def verify(project: str | os.PathLike, stage_id: str) -> list[str]:
     """Check the upstream outputs ``stage_id`` depends on; return the paths checked.
 
     Raises :class:`DamagedInput` naming the first input that is missing or differs from what its
     producer wrote (by ``dvc.lock``).
     """
-    from hacrl.tracking import dvc_hash
-
     project = Path(project)
     if not (project / "dvc.yaml").is_file():
         return []
     spec = _load(project / "dvc.yaml")
-    stage = _stages(spec, stage_id)
+    params = _load(project / "params.yaml") if (project / "params.yaml").is_file() else {}
+    stage = _stages(spec, stage_id, params)
     if stage is None:
         return []
     lock = _load(project / "dvc.lock").get("stages", {}) if (project / "dvc.lock").is_file() else {}
-    recorded = {o["path"]: (o.get("md5"), name) for name, st in lock.items() for o in st.get("outs", [])}
+    recorded = {posixpath.normpath(o["path"]): (o.get("md5"), name) for name, st in lock.items()
+                for o in st.get("outs", [])}
     checked = []
     for dep in stage["deps"]:
         producer = recorded[dep][1] if dep in recorded else producer_of(spec, dep)
@@ -128,7 +175,7 @@ def verify(project: str | os.PathLike, stage_id: str) -> list[str]:
         if dep not in recorded:
             continue  # written outside DVC (no record to compare with)
         md5 = recorded[dep][0]
-        if md5 and dvc_hash(path) != md5:
+        if md5 and _hash(project, path) != md5:
             what = _differing_file(project, path, md5) if path.is_dir() else dep
             raise DamagedInput(f"{what}: not what {producer} wrote (dvc.lock has another hash): damaged or "
                                f"edited; `dvc checkout --force {dep}` restores it from the cache, `dvc repro {producer}` "

@@ -55,7 +55,7 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
 
         compose(list(overrides))
     # with overrides the iteration is chosen once params.yaml is recomposed: the flow names its run then
-    t = None if overrides else next_iteration(project, iteration)
+    t = None if overrides else next_iteration(project, iteration)  # None: known once prepared
     name = f"iterate-it{t}" if t is not None else "iterate"
     params: dict = {"project_dir": str(project)}
     if iteration is not None:

@@ -112,9 +112,9 @@ def failure_reason(output: str) -> str:
 class IterationFailed(RuntimeError):
     """An iteration stopped at a stage; the message is one line: the stage and the reason."""
 
-    def __init__(self, t: int, stage: str, reason: str) -> None:
+    def __init__(self, t: int | None, stage: str, reason: str) -> None:
         self.iteration, self.stage, self.reason = t, stage, reason
-        super().__init__(f"iteration {t} failed at {stage}: {reason}")
+        super().__init__(f"{'preparation' if t is None else f'iteration {t}'} failed at {stage}: {reason}")
 
 
 class LockBusy(RuntimeError):
@@ -187,7 +187,8 @@ def changed_outputs(status: dict) -> dict[str, dict[str, str]]:
 class Plan:
     """What one iterate run will do."""
 
-    iteration: int
+    iteration: int | None
+    """None: prepare first (``prepare``), then plan again."""
     configured: int
     """``experiment.iterations`` after the plan (grown by one when every iteration was done)."""
     prepare: bool
@@ -197,15 +198,18 @@ class Plan:
     inputs: list[str] = dataclasses.field(default_factory=list)
     """The ``external-input@KEY`` stages to run first (an input outside the repository changed)."""
     changed: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    """Stage -> its outputs that differ on disk from DVC's record (``modified``, ``deleted``): the
-    run restores them (DVC's run cache) or writes them again when it reaches that stage."""
+    """Stage -> its outputs modified on disk since DVC recorded them: the run restores them (DVC's
+    run cache) or writes them again when it reaches that stage."""
 
 
 def plan_iteration(project: Path, iteration: int | None = None, overrides: list[str] | None = None) -> Plan:
     """Choose the iteration to run: ``iteration`` if given, else the first one not yet done.
 
     When every configured iteration is done, the experiment grows by one (params.yaml's
-    ``experiment.iterations``, hence dvc.yaml's ``foreach``). Call under :func:`workspace_lock`.
+    ``experiment.iterations``, hence dvc.yaml's ``foreach``). When an input, the data or the pool
+    must be prepared first, no iteration is chosen yet (``Plan.iteration`` is None): which ones
+    that makes stale is known only once they ran, so plan again then. Call under
+    :func:`workspace_lock`.
     """
     if overrides:
         data = compose(overrides)
@@ -214,22 +218,34 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
     n = int(read_params(project)["experiment"]["iterations"])
     status = dvc_status(project)
     stale = set(status)
+    inputs = sorted(s for s in stale if s.startswith(INPUT_STAGE + "@"))
+    if inputs or any(s in stale for s in PREPARE_STAGES):
+        return Plan(None, n, True, False, stale, inputs, changed_outputs(status))
     iteration = _choose(n, stale, iteration)
     extended = iteration == n + 1
     if extended:
         set_iterations(project, iteration)
         n = iteration
         stale = stale_stages(project)
-    inputs = sorted(s for s in stale if s.startswith(INPUT_STAGE + "@"))
-    prepare = bool(inputs) or any(s in stale for s in PREPARE_STAGES)
-    return Plan(iteration, n, prepare, extended, stale, inputs, changed_outputs(status))
+    return Plan(iteration, n, False, extended, stale, [], changed_outputs(status))
 
 
-def next_iteration(project: Path, iteration: int | None = None) -> int:
+def next_iteration(project: Path, iteration: int | None = None) -> int | None:
     """The iteration an iterate run would take now (:func:`plan_iteration` without writing
-    anything: the flow run gets its name, ``iterate-itT``, when it is created)."""
+    anything: the flow run gets its name, ``iterate-itT``, when it is created); None when the
+    inputs, data or pool must be prepared first (the iteration is chosen after that)."""
     n = int(read_params(project)["experiment"]["iterations"])
-    return _choose(n, stale_stages(project), iteration)
+    stale = stale_stages(project)
+    if any(s.startswith(INPUT_STAGE + "@") or s in PREPARE_STAGES for s in stale) and _prepared_before(project):
+        return None  # the pool may change: which iterations stay done is known once it ran
+    return _choose(n, stale, iteration)
+
+
+def _prepared_before(project: Path) -> bool:
+    """Whether the pool was ever built here (dvc.lock has prepare-pool): a first run's pool
+    makes every iteration to do, so the first is iteration 1 (or the one asked for)."""
+    lock = project / "dvc.lock"
+    return lock.is_file() and "prepare-pool" in ((read_yaml(lock) or {}).get("stages") or {})
 
 
 def _choose(n: int, stale: set[str], iteration: int | None) -> int:

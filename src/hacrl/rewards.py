@@ -144,7 +144,9 @@ def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, lis
             golds[gold] = g
     if clock.hits > before:
         return TIMEOUT
-    if not _converted(g):  # nothing, or only math-verify's fallback string: no gold to compare with
+    if not g or (not _converted(g) and not _balanced(gold)):
+        # nothing parsed, or only math-verify's fallback string of malformed LaTeX (``\frac{``):
+        # no gold to compare with. A text gold (``12\%``) keeps math-verify's string comparison.
         return GOLD_UNPARSEABLE
     p = parse(response, parsing_timeout=t)
     if clock.hits > before:
@@ -154,6 +156,17 @@ def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, lis
     if verify(g, p, timeout_seconds=t):
         return CORRECT
     return TIMEOUT if clock.hits > before else WRONG
+
+
+def _balanced(text: str) -> bool:
+    """Whether the braces of ``text`` (not counting escaped ones) pair up."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "{}" and (i == 0 or text[i - 1] != "\\"):
+            depth += 1 if ch == "{" else -1
+            if depth < 0:
+                return False
+    return depth == 0
 
 
 def _converted(parsed: list) -> bool:

@@ -128,18 +128,19 @@ def file_md5(path: Path) -> str:
     return h.hexdigest()
 
 
-def dvc_hash(path: str | os.PathLike) -> str:
-    """The md5 DVC records for ``path``: a file's md5, or the ``<md5>.dir`` of a directory."""
+def dvc_hash(path: str | os.PathLike, md5=file_md5) -> str:
+    """The md5 DVC records for ``path``: a file's md5, or the ``<md5>.dir`` of a directory
+    (``md5``: how a file's md5 is had, e.g. through a cache)."""
     p = Path(path)
     if p.is_file():
-        return file_md5(p)
+        return md5(p)
     from dvc_data.hashfile.hash_info import HashInfo
     from dvc_data.hashfile.meta import Meta
     from dvc_data.hashfile.tree import Tree
 
     tree = Tree()
     for f in sorted(x for x in p.rglob("*") if x.is_file()):
-        tree.add(f.relative_to(p).parts, Meta(size=f.stat().st_size), HashInfo("md5", file_md5(f)))
+        tree.add(f.relative_to(p).parts, Meta(size=f.stat().st_size), HashInfo("md5", md5(f)))
     tree.digest()
     return tree.hash_info.value
 
@@ -158,7 +159,9 @@ def git_commit(project_dir: Path) -> str:
         return "unknown"
 
 
-_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
+_CREDENTIALS = re.compile(r"(?<=://)[^\s]*@")
+"""Everything between ``://`` and the last ``@`` of a URI: its user info, whatever characters
+the password holds (a ``@`` in a path after the host is rare; it would be hidden too)."""
 
 
 def redact(text: str) -> str:
