@@ -224,3 +224,12 @@ def test_iterations_that_cannot_run_are_refused_before_anything_is_written(tmp_p
     with pytest.raises(config.ConfigError, match=r"experiment.iterations: invalid value 5 \(the iteration table "
                                                  r"dvc.yaml runs has 2 entries"):
         config.load(params)
+
+
+def test_params_yaml_reads_back_what_was_written(tmp_path):
+    """Strings YAML 1.2 would read as numbers (`2e4`, a commit id like `7e69083`) are quoted."""
+    data = config.compose(["experiment.name='2e4'", "algorithm.name='7e69083'"])
+    config.write_params(data, tmp_path / "params.yaml")
+    assert "name: '2e4'" in (tmp_path / "params.yaml").read_text()
+    cfg = config.load(tmp_path / "params.yaml")
+    assert (cfg.experiment.name, cfg.algorithm.name) == ("2e4", "7e69083")

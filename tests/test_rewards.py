@@ -13,6 +13,9 @@ from hacrl.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG,
     ("42", "\\boxed{42.0}", CORRECT),
     ("7", "I do not know", NO_ANSWER),
     ("}{", "\\boxed{3}", GOLD_UNPARSEABLE),
+    ("\\frac{", "\\boxed{3}", GOLD_UNPARSEABLE),  # malformed LaTeX: only math-verify's fallback string
+    ("12\\%", "\\boxed{12\\%}", CORRECT),  # a text gold keeps math-verify's string comparison
+    ("12\\%", "\\boxed{13\\%}", WRONG),
 ])
 def test_check_verdicts(gold, response, verdict):
     assert check(gold, response) == verdict
