@@ -38,10 +38,6 @@ class Series:
     values: dict[str, list[float | None]]
 
 
-TRACKED_FIELDS = ("agents", "metrics", "series", "inputs", "checkpoints", "evaluated", "evaluation", "dataset",
-                  "artifacts")
-
-
 class StageResult(dict):
     """A stage's figures (the mapping) plus what tracking logs for every stage alike.
 
