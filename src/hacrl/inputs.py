@@ -21,9 +21,7 @@ from pathlib import Path
 import yaml
 
 from hacrl.data import DataError
-
-ITERATION_STAGES = ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats",
-                    "update-policies", "evaluate")
+from hacrl.orchestration import ITERATION_STAGES
 
 
 class DamagedInput(DataError):
