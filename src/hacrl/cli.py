@@ -69,6 +69,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_stage(args: argparse.Namespace) -> int:
     from hacrl import config as config_mod
     from hacrl import tracking
+    from hacrl.orchestration import ITERATION_STAGES
     from hacrl.stages import STAGES
     from hacrl.storage import clean_tmp
 
@@ -76,8 +77,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.name not in STAGES:
         raise config_mod.ConfigError(f"stage: unknown stage {args.name!r} (choose from {', '.join(STAGES)})")
     t = args.iteration
-    if args.name in ("generate-rollouts", "verify-rewards", "exchange-and-align",
-                     "compute-capability-stats", "update-policies") and t < 1:
+    if args.name in ITERATION_STAGES and args.name != "evaluate" and t < 1:
         raise config_mod.ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
     if t < 0 or (args.name not in ("prepare-data", "prepare-pool", "report") and t > cfg.experiment.iterations):
         raise config_mod.ConfigError(f"--iteration: invalid value {t} (iterations 0-{cfg.experiment.iterations} "

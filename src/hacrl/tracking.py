@@ -230,6 +230,7 @@ class Tracker:
         self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "") if flow_run_id is None else flow_run_id
         self.flow_run_url = flow_run_url(self.flow_run_id) if flow_run_url_ is None else flow_run_url_
         self._hashes: dict[str, str] = {}
+        self._opened: set[str] = set()
 
     # ------------------------------------------------------------------ runs
     def _base_tags(self) -> dict[str, str]:
@@ -262,9 +263,18 @@ class Tracker:
                 return False
             raise
 
-    def _open(self, run_id: str) -> None:
+    def _reopen(self, run_id: str | None) -> bool:
+        """Whether ``run_id`` is a live run of this store, made RUNNING if it was not. Memoised
+        for this tracker until it closes the run: a stage logs to the experiment's and each
+        agent's run many times, and each check is two store round trips."""
+        if run_id in self._opened:
+            return True
+        if not self._alive(run_id):
+            return False
         if self.client.get_run(run_id).info.status != "RUNNING":
             self.client.update_run(run_id, status="RUNNING")
+        self._opened.add(run_id)
+        return True
 
     def experiment_run(self, start_ms: int | None = None) -> str:
         """The experiment's run, across iterations (resumed by id), created with the config as
@@ -272,8 +282,7 @@ class Tracker:
         tagged with the one it supersedes; so do its agents' runs."""
         doc = self._runs()
         digest = config_digest(self.cfg)
-        if doc.get("digest") == digest and self._alive(doc.get("experiment_run")):
-            self._open(doc["experiment_run"])
+        if doc.get("digest") == digest and self._reopen(doc.get("experiment_run")):
             return doc["experiment_run"]
         tags = {**self._base_tags(), "mlflow.runName": self.cfg.experiment.name, "hacrl.kind": "experiment",
                 "hacrl.workspace": str(self.project)}
@@ -293,8 +302,7 @@ class Tracker:
         exp = self.experiment_run(start_ms)
         doc = self._runs()
         run_id = doc["agents"].get(agent)
-        if self._alive(run_id):
-            self._open(run_id)
+        if self._reopen(run_id):
             return run_id
         ac = self.cfg.agent(agent)
         tags = {**self._base_tags(), "mlflow.runName": agent, "hacrl.kind": "agent", "hacrl.agent": agent,
@@ -444,12 +452,14 @@ class Tracker:
             self.client.set_tag(run_id, "hacrl.failed_stage", stage)
             self.client.set_tag(run_id, "hacrl.error", str(error)[:5000])
             self.client.set_terminated(run_id, "FAILED", end_time=end_ms)
+            self._opened.discard(run_id)
             return
         if close:
             doc = self._runs()
             for rid in {run_id, doc.get("experiment_run"), *doc.get("agents", {}).values()}:
                 if self._alive(rid):
                     self.client.set_terminated(rid, "FINISHED", end_time=end_ms)
+                self._opened.discard(rid)
 
     # ------------------------------------------------------------------ logged models
     def model_name(self, agent: str) -> str:
