@@ -1,7 +1,7 @@
 """What Prefect + DVC + MLflow add to one RL iteration, against the six stage functions called
 directly in one process. Same workspace, same iteration, same inputs, in one run:
 
-1. direct       the six functions of ``hacrl.stages`` for iteration N+1, in this process, on a
+1. direct       the six functions of ``hacrl.pipeline.stages`` for iteration N+1, in this process, on a
                 copy of iteration N's state (no DVC, no MLflow, no Prefect);
 2. prefect      ``prefect deployment run hacrl/iterate --watch`` (runs iteration N+1 in the
                 workspace: Prefect -> DVC -> one process per stage -> MLflow);
@@ -25,16 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl import config as config_mod
-from hacrl.orchestration import ITERATION_STAGES, stage_id, stale_stages
-from hacrl.stages import STAGES
+from hacrl.config import schema as config_mod
+from hacrl.ops.orchestration import ITERATION_STAGES, stage_id, stale_stages
+from hacrl.pipeline.stages import STAGES
 from hacrl.storage import RunLayout
 
 PROJECT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
-    from hacrl.services import client_env
+    from hacrl.ops.services import client_env
 
     return client_env(PROJECT)
 
@@ -86,7 +86,7 @@ def main() -> int:
     t = n + 1
     started = False
     if not (PROJECT / ".services.env").exists():
-        from hacrl.services import serve
+        from hacrl.ops.services import serve
 
         serve(PROJECT, 0, 0)
         started = True
@@ -110,7 +110,7 @@ def main() -> int:
             set_tracking(True)
     finally:
         if started:
-            from hacrl.services import stop
+            from hacrl.ops.services import stop
 
             stop(PROJECT)
     direct_total = sum(d.values())
@@ -139,7 +139,7 @@ def main() -> int:
 def _mlflow_stage_seconds(cfg: config_mod.Config, t: int) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
 
-    from hacrl.tracking import tracking_uri
+    from hacrl.ops.tracking import tracking_uri
 
     client = MlflowClient(tracking_uri(cfg, PROJECT))
     exp = client.get_experiment_by_name(cfg.experiment.name)

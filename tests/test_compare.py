@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.compare import SUITES, auc, findings, paired_difference, verdict
+from hacrl.study.compare import SUITES, auc, findings, paired_difference, verdict
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def test_auc_is_mean_accuracy_over_the_rollout_budget():
 def test_every_contender_of_every_setting_composes(setting):
     """Sizes the reference layout refuses, an unknown key or a misspelt preset would fail here at
     once rather than an hour into a suite run."""
-    from hacrl import config
+    from hacrl.config import schema as config
 
     st = SUITES["hacpo"]["settings"][setting]
     for c in (SUITES["hacpo"]["all"] if setting == "default" else st["contenders"]):
@@ -38,7 +38,7 @@ def test_every_contender_of_every_setting_composes(setting):
 
 @pytest.mark.parametrize("setting", sorted(SUITES["mutual"]["settings"]))
 def test_every_mutual_contender_composes(setting):
-    from hacrl import config
+    from hacrl.config import schema as config
 
     st = SUITES["mutual"]["settings"][setting]
     # every contender, the on-demand probes included, composes in every setting
@@ -86,7 +86,7 @@ def test_claim_kinds_average_checkpoints_equal_and_signatures():
 def test_a_probe_is_added_to_a_finished_report(tmp_path, monkeypatch):
     """``--contenders`` adds runs to the setting's report instead of replacing it (the run itself
     is replaced by a stand-in here: this checks the bookkeeping, not the training)."""
-    from hacrl import compare
+    from hacrl.study import compare
 
     def fake_run(name, overrides, seed, out):
         acc = 0.1 + 0.01 * seed + (0.05 if name.startswith("hacpo") else 0.0)
@@ -181,7 +181,7 @@ def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
 
 
 def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypatch):
-    from hacrl import compare
+    from hacrl.study import compare
     from hacrl.storage import write_json
 
     ran = []

@@ -7,7 +7,7 @@ import yaml
 
 from conftest import ROOT
 
-from hacrl import config
+from hacrl.config import schema as config
 
 
 def test_params_yaml_is_the_composition_of_conf(root):
@@ -98,7 +98,7 @@ def test_recomposing_keeps_an_experiment_the_flow_extended(tmp_path):
     import yaml
 
     from hacrl.cli import main
-    from hacrl.orchestration import set_iterations
+    from hacrl.ops.orchestration import set_iterations
 
     out = tmp_path / "params.yaml"
     assert main(["config", "--out", str(out)]) == 0
@@ -116,7 +116,7 @@ def test_recomposing_keeps_an_experiment_the_flow_extended(tmp_path):
 
 
 def test_one_agents_setting_by_name_or_position():
-    from hacrl.config import ConfigError, compose
+    from hacrl.config.schema import ConfigError, compose
 
     base = {a["name"]: a for a in compose([])["agents"]}
     by_name = {a["name"]: a for a in compose(["agents.gpt2-weak.warmup.lr=1e-3"])["agents"]}
@@ -137,7 +137,7 @@ def test_cli_says_its_version_and_lists_the_stages():
 
     from hacrl import __version__
     from hacrl.cli import STAGE_NAMES
-    from hacrl.stages import STAGES
+    from hacrl.pipeline.stages import STAGES
 
     assert tuple(STAGES) == STAGE_NAMES
     env = {**__import__("os").environ, "HACRL_STAGE_SERVER": "0"}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from conftest import SMOKE
 
-from hacrl import config as config_mod
-from hacrl.stage_result import StageResult
+from hacrl.config import schema as config_mod
+from hacrl.pipeline.result import StageResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,8 +20,8 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     so in one line and logs nothing (which would write into the original's folder)."""
     import shutil
 
-    from hacrl import tracking
-    from hacrl.config import write_params
+    from hacrl.ops import tracking
+    from hacrl.config.schema import write_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     orig = tmp_path / "orig ws"

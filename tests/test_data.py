@@ -3,8 +3,8 @@ from fractions import Fraction
 
 import pytest
 
-from hacrl import data
-from hacrl.data import DataError, load_problems
+from hacrl.task import data
+from hacrl.task.data import DataError, load_problems
 
 
 LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
@@ -102,7 +102,7 @@ def test_worked_solutions_are_correct_arithmetic_ending_in_the_answer(level):
 
 
 def test_worked_solutions_need_the_procedural_task():
-    from hacrl import config
+    from hacrl.config import schema as config
 
     with pytest.raises(data.DataError, match="no worked solution for level 'all'"):
         data.worked_solution({"id": "x", "problem": "What is 2+2?", "answer": "4", "level": "all"})
@@ -125,7 +125,7 @@ def test_a_line_that_is_not_utf8_is_named_and_skip_skips_it(tmp_path):
 
 
 def test_oversized_problems_answers_and_lines_are_refused_before_they_cost_memory(tmp_path):
-    from hacrl.data import MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS
+    from hacrl.task.data import MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS
 
     f = tmp_path / "t.jsonl"
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "x" * (MAX_PROBLEM_CHARS + 1), "answer": "1"},

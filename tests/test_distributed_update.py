@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMOKE
-from hacrl import config, stages
-from hacrl.experience import read_records, write_records
+from hacrl.config import schema as config
+from hacrl.pipeline import stages
+from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
-from hacrl.trainer import WORLD_FILE
+from hacrl.rl.trainer import WORLD_FILE
 
 # fp32 sums in another order (each rank reduces half of a mini-batch) move the weights by a few
 # ulps per update; Adam's normalisation can turn that into a larger step on a coordinate whose
@@ -106,15 +107,15 @@ def test_two_processes_give_the_single_process_weights(ready, zero):
 def _load_saved_state(saved_by, extra, caplog):
     """The first learner's optimizer at world size 1 with ``extra`` loading the state
     iteration 1's update wrote under ``saved_by``'s runs; returns (agent config, optimizer)."""
-    from hacrl.pool import load_agent
-    from hacrl.trainer import PolicyOptimizer
+    from hacrl.agents.pool import load_agent
+    from hacrl.rl.trainer import PolicyOptimizer
 
     cfg = config.from_dict({**config.compose(SMOKE + ["algorithm=hacpo", *extra]),
                             "experiment": {**saved_by.experiment.__dict__}})
     lay = RunLayout(cfg.experiment.runs_dir)
     ac = cfg.agents[0]
     opt = PolicyOptimizer(load_agent(ac, lay.checkpoint(1, ac.name)).model, cfg.trainer, 8)
-    with caplog.at_level(logging.WARNING, logger="hacrl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="hacrl.rl.trainer"):
         opt.load_state(lay.train_state(1) / ac.name)
     return ac, opt
 
@@ -138,7 +139,7 @@ def test_a_failing_rank_fails_the_stage_and_leaves_no_checkpoint(ready, tmp_path
     lay = RunLayout(cfg.experiment.runs_dir)
     # a damaged learner input: every rank fails reading it
     (lay.learner_input(1, cfg.agents[0].name)).write_bytes(b"not parquet")
-    from hacrl.update_worker import WorkerFailed
+    from hacrl.pipeline.update_worker import WorkerFailed
 
     with pytest.raises(WorkerFailed, match=r"update of .*: rank \d of 2 exited with"):
         stages.update_policies(cfg, 1)
@@ -149,7 +150,7 @@ def test_ranks_take_whole_prompt_groups_and_too_small_a_mini_batch_is_refused():
     import numpy as np
     import pandas as pd
 
-    from hacrl.update import rank_rows
+    from hacrl.rl.update import rank_rows
 
     ids = pd.Series(["a", "a", "b", "b", "c"])
     assert rank_rows(ids, np.arange(5), 0, 2).tolist() == [0, 1, 4]
@@ -167,7 +168,7 @@ def test_mwra_runs_two_learners_at_once_on_two_cpu_shares_with_the_same_result(r
     """The planner puts the two learners' updates in one wave (disjoint cpu shares); the stage
     runs them at once, each as its own process with one of the two cores. Placement changes
     where and when, not what: the weights equal the one-at-a-time update's."""
-    from hacrl.stages import resource_plan
+    from hacrl.pipeline.stages import resource_plan
 
     cfg1, s1 = run_update(ready, [])
     cfg, s = run_update(ready, [SHARES])

@@ -15,7 +15,7 @@ import pytest
 from conftest import SMOKE, dvc_workspace
 
 from hacrl.storage import read_json
-from hacrl.tracking import dvc_hash
+from hacrl.ops.tracking import dvc_hash
 
 pytestmark = pytest.mark.slow
 
@@ -252,7 +252,7 @@ def test_hacrl_run_writes_what_dvc_tracks_in_one_process(tmp_path):
 
 def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_stale(tmp_path):
     """Inputs outside the repository are dependencies too (dvc.yaml's external-input stages)."""
-    from hacrl import config
+    from hacrl.config import schema as config
 
     files = tmp_path / "tasks"
     files.mkdir()
@@ -272,7 +272,7 @@ def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_
     stale = json.loads(_run(["dvc", "status", "--json"], ws).stdout)
     assert "external-input@data-train" in stale and "external-input@data-heldout" not in stale
     # an iterate flow run prepares first and chooses its iteration only after that
-    from hacrl.orchestration import plan_iteration
+    from hacrl.ops.orchestration import plan_iteration
 
     plan = plan_iteration(ws)
     assert plan.iteration is None and plan.prepare and plan.inputs == ["external-input@data-train"]

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl import config
-from hacrl.config import StreamConfig
-from hacrl.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, pooled_reward_stats, publish, read_records,
+from hacrl.config import schema as config
+from hacrl.config.schema import StreamConfig
+from hacrl.exchange.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, pooled_reward_stats, publish, read_records,
                               select, write_records)
 
 
@@ -232,10 +232,10 @@ def test_an_estimator_is_refused_without_the_records_it_needs():
 
 @pytest.mark.parametrize("peer_eos", ["keep_if_stopped", "drop"])
 def test_peer_eos_decides_the_eos_on_both_sides(peer_eos, tiny_problems):
-    from hacrl.config import ThlConfig, TokenizerConfig
-    from hacrl.data import completion_text
-    from hacrl.experience import adapt_response
-    from hacrl.pool import train_tokenizer
+    from hacrl.config.schema import ThlConfig, TokenizerConfig
+    from hacrl.task.data import completion_text
+    from hacrl.exchange.experience import adapt_response
+    from hacrl.agents.pool import train_tokenizer
 
     corpus = ["Q: " + p["problem"] + "\nA:" + completion_text(p["answer"]) for p in tiny_problems["train"]]
     src = train_tokenizer(TokenizerConfig(kind="bytelevel_bpe", vocab_size=300), corpus)

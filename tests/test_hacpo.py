@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from hacrl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, HacpoAdvantageOptions,
+from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, HacpoAdvantageOptions,
                               HacpoLossOptions, LossInputs, capability_baseline, stepwise_lower_bound)
-from hacrl.capability import omega_matrix, update_history, windowed_capability
+from hacrl.rl.capability import omega_matrix, update_history, windowed_capability
 
 OMEGA = torch.tensor([[1.0, 0.5], [2.0, 1.0]])  # agent 0 has half agent 1's capability
 
@@ -232,9 +232,9 @@ def test_learner_tokens_ratio_is_one_for_a_learner_scoring_its_own_sample_throug
     import pandas as pd
 
     from conftest import make_agent
-    from hacrl.config import ThlConfig
-    from hacrl.experience import adapt_response
-    from hacrl.scoring import pack, token_logprobs
+    from hacrl.config.schema import ThlConfig
+    from hacrl.exchange.experience import adapt_response
+    from hacrl.agents.scoring import pack, token_logprobs
 
     _, agent = make_agent("qwen2", "bytelevel_unigram", tiny_problems)
     tok = agent.tokenizer
@@ -272,7 +272,7 @@ def test_source_block_layout_takes_the_official_updates_in_the_official_order():
     peer's block in pool order; no mini-batch mixes sources."""
     import pandas as pd
 
-    from hacrl.update import minibatches, source_block_minibatches
+    from hacrl.rl.update import minibatches, source_block_minibatches
 
     P, G, B = 8, 3, 2
     prod = [s for s in ("b", "a", "c") for _ in range(P * G)]  # learner b first, as in learner_input
@@ -288,7 +288,7 @@ def test_source_block_layout_takes_the_official_updates_in_the_official_order():
 
 
 def test_source_block_sizes_that_do_not_divide_are_refused():
-    from hacrl import config
+    from hacrl.config import schema as config
 
     with pytest.raises(config.ConfigError, match=r"^rollout.prompts_per_iteration: .*not a whole number of "
                                                  r"mini-batches of 64 prompts"):
@@ -298,7 +298,7 @@ def test_source_block_sizes_that_do_not_divide_are_refused():
         config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=63"])
     cfg = config.from_dict(config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128",
                                            "trainer.mini_batch_prompts=64"]))
-    from hacrl.update import prompts_per_update
+    from hacrl.rl.update import prompts_per_update
 
     assert prompts_per_update(cfg) == 32
 

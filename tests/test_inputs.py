@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hacrl.inputs import DamagedInput, dvc_stage_id, verify
-from hacrl.tracking import dvc_hash, file_md5
+from hacrl.ops.inputs import DamagedInput, dvc_stage_id, verify
+from hacrl.ops.tracking import dvc_hash, file_md5
 
 DVC_YAML = {"stages": {
     "prepare-data": {"cmd": "x", "outs": ["data/tasks"]},
     "generate-rollouts": {"foreach": "${iterations}", "do": {
-        "cmd": "x", "deps": ["data/tasks", "runs/it${item.prev}/checkpoints", "src/hacrl/engines.py"],
+        "cmd": "x", "deps": ["data/tasks", "runs/it${item.prev}/checkpoints", "src/hacrl/rollout/engine.py"],
         "outs": ["runs/it${item.it}/rollouts"]}},
     "update-policies": {"foreach": "${iterations}", "do": {
         "cmd": "x", "deps": ["runs/it${item.it}/rollouts"], "outs": ["runs/it${item.it}/checkpoints"]}},
@@ -77,7 +77,7 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
     """Through the CLI, as DVC runs it (DVC_STAGE, DVC_ROOT): exit 2 (no retry), one line, nothing written."""
     from conftest import SMOKE
 
-    from hacrl import config
+    from hacrl.config import schema as config
 
     ws = _workspace(tmp_path)
     config.write_params(config.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
@@ -92,8 +92,8 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
 
 
 def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_path):
-    from hacrl import config
-    from hacrl.inputs import stamp
+    from hacrl.config import schema as config
+    from hacrl.ops.inputs import stamp
 
     model = tmp_path / "my model"
     model.mkdir()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import make_agent
-from hacrl.engines import HFEngine, SamplingParams
-from hacrl.scoring import pack, token_logprobs
+from hacrl.rollout.engine import HFEngine, SamplingParams
+from hacrl.agents.scoring import pack, token_logprobs
 
 
 @pytest.mark.parametrize("arch, kind", [("gpt2", "bytelevel_bpe"), ("llama", "bytelevel_unigram"),

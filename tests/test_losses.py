@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hacrl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, GroupAdvantageOptions, GspoOptions,
+from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, GroupAdvantageOptions, GspoOptions,
                               LossInputs, kl_k3)
 
 
@@ -88,7 +88,7 @@ def xgrpo_inputs(r, pool_mean, pool_std):
 
 
 def test_xgrpo_takes_the_baseline_from_the_pool():
-    from hacrl.algorithms import XgrpoAdvantageOptions
+    from hacrl.rl.algorithms import XgrpoAdvantageOptions
 
     # the learner's own 4 samples (1 success); the pool's mean on the prompt is 0.5, its std 0.4
     r = torch.tensor([1.0, 0.0, 0.0, 0.0])
@@ -115,8 +115,8 @@ def group_inputs_without_pool_stats(r):
 def test_a_name_registers_once_and_options_are_typed():
     from dataclasses import dataclass
 
-    from hacrl.algorithms import LOSSES, build_options, register_advantage, register_loss
-    from hacrl.config import ConfigError
+    from hacrl.rl.algorithms import LOSSES, build_options, register_advantage, register_loss
+    from hacrl.config.schema import ConfigError
 
     with pytest.raises(ValueError, match="registered twice"):
         register_advantage("grpo", GroupAdvantageOptions)(lambda inp, opts: inp.rewards)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from hacrl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, GroupAdvantageOptions, LossInputs, PrpOptions,
+from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, GroupAdvantageOptions, LossInputs, PrpOptions,
                               SgtOptions, sgt_choose, sgt_gate, sgt_rows)
-from hacrl.config import ConfigError
+from hacrl.config.schema import ConfigError
 
 
 def loss_inputs(logp, old, mask, adv, is_self, behavior=None, rewards=None, groups=None, verified=None, key=None):
@@ -194,7 +194,7 @@ def test_grpo_advantage_over_the_learners_own_rows():
 
 
 def test_sgt_needs_whole_prompt_groups_in_a_minibatch():
-    from hacrl import config
+    from hacrl.config import schema as config
 
     with pytest.raises(ConfigError, match="sgt loss works under prompt_groups"):
         config.from_dict(config.compose(["algorithm=sgt", "algorithm.minibatch_order=source_blocks"]))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hacrl.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
-from hacrl.tracking import dvc_hash, flatten, sanitize
+from hacrl.ops.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
+from hacrl.ops.tracking import dvc_hash, flatten, sanitize
 
 
 def test_lock_refuses_a_second_holder_with_a_clear_message_and_is_released(tmp_path):
@@ -49,7 +49,7 @@ def test_lock_waits_for_the_holder_to_finish(tmp_path):
 def test_lock_of_a_killed_holder_is_free(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
-        from hacrl.orchestration import workspace_lock
+        from hacrl.ops.orchestration import workspace_lock
         from pathlib import Path
         with workspace_lock(Path({str(tmp_path)!r}), 0, holder="doomed"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,7 +131,7 @@ def test_prefect_retries_only_failures_that_a_retry_can_fix(root, monkeypatch, t
 
 
 def test_task_logs_keep_the_stage_lines_and_drop_dvc_hints_and_progress_bars():
-    from hacrl.orchestration import LOG_LINE_CHARS, task_log_line
+    from hacrl.ops.orchestration import LOG_LINE_CHARS, task_log_line
 
     assert task_log_line("Running stage 'evaluate@it1':") == "Running stage 'evaluate@it1':"
     assert task_log_line("21:44:45 INFO hacrl: stage update-policies (iteration 1) finished in 10.1s").endswith("10.1s")
@@ -145,8 +145,8 @@ def test_task_logs_keep_the_stage_lines_and_drop_dvc_hints_and_progress_bars():
 
 
 def test_a_failed_stage_is_one_line_naming_its_own_error():
-    from hacrl.launch import flow_failure
-    from hacrl.orchestration import IterationFailed, failure_reason
+    from hacrl.ops.launch import flow_failure
+    from hacrl.ops.orchestration import IterationFailed, failure_reason
 
     tail = textwrap.dedent("""\
         Traceback (most recent call last):
@@ -167,8 +167,8 @@ def test_a_failed_stage_is_one_line_naming_its_own_error():
 def test_the_flow_runs_report_links_accuracy_to_checkpoints_and_mlflow(tmp_path):
     from conftest import SMOKE
 
-    from hacrl import config as config_mod
-    from hacrl.orchestration import iteration_markdown
+    from hacrl.config import schema as config_mod
+    from hacrl.ops.orchestration import iteration_markdown
     from hacrl.storage import write_json
 
     cfg = config_mod.from_dict(config_mod.compose(SMOKE))
@@ -199,7 +199,7 @@ def test_hacrl_iterate_without_services_says_so_and_starts_no_server(tmp_path):
 def test_the_services_env_file_is_quoted_for_the_shell(tmp_path):
     """A project path with a space, a `$(...)` and a quote: sourcing the file gives back the
     exact paths and runs nothing."""
-    from hacrl.services import env_file_text, service_env
+    from hacrl.ops.services import env_file_text, service_env
 
     project = tmp_path / "my proj $(touch pwned) 'q'"
     project.mkdir()
@@ -218,7 +218,7 @@ def test_the_services_env_file_is_quoted_for_the_shell(tmp_path):
 def test_the_planner_names_outputs_changed_on_disk(dvc_repo):
     """What `dvc status` says of an output damaged after its stage ran: the flow logs it (the
     stage is then restored from DVC's run cache or run again) instead of repairing it silently."""
-    from hacrl.orchestration import changed_outputs, dvc_status
+    from hacrl.ops.orchestration import changed_outputs, dvc_status
 
     run_dvc_stage(dvc_repo, "ok")
     assert changed_outputs(dvc_status(dvc_repo)) == {}

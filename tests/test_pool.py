@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 
 from conftest import make_agent
-from hacrl.config import ConfigError
-from hacrl.pool import load_agent, save_agent
+from hacrl.config.schema import ConfigError
+from hacrl.agents.pool import load_agent, save_agent
 
 KINDS = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram"]
 
@@ -60,9 +60,9 @@ def test_unigram_ids_are_the_same_in_every_process():
 
     code = (
         "import hashlib\n"
-        "from hacrl.config import TokenizerConfig\n"
-        "from hacrl.pool import train_tokenizer\n"
-        "from hacrl.data import generate_split, completion_text\n"
+        "from hacrl.config.schema import TokenizerConfig\n"
+        "from hacrl.agents.pool import train_tokenizer\n"
+        "from hacrl.task.data import generate_split, completion_text\n"
         "tr = generate_split('train', 1500, {'add': 1, 'sub': 1}, 99, 0.2, 0)\n"
         "c = [p['problem'] + '\\n=>' + completion_text(p['answer']) for p in tr]\n"
         "t = train_tokenizer(TokenizerConfig(kind='bytelevel_unigram', vocab_size=400), c)\n"
@@ -81,9 +81,9 @@ def test_unigram_ids_are_the_same_in_every_process():
 def test_the_shared_tokenizer_pool_trains_one_tokenizer_for_both_agents(tiny_problems):
     """agents=embedded_shared_tok: the same tokenizer configuration and template give the
     identical tokenizer (same vocabulary, same ids), so THL is the identity between them."""
-    from hacrl import config
-    from hacrl.data import completion_text
-    from hacrl.pool import build_model, train_tokenizer
+    from hacrl.config import schema as config
+    from hacrl.task.data import completion_text
+    from hacrl.agents.pool import build_model, train_tokenizer
 
     cfg = config.from_dict(config.compose(["agents=embedded_shared_tok"]))
     small, large = cfg.agents
@@ -105,7 +105,7 @@ CHAT = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
 
 
 def test_chat_agents_get_their_chat_template_once(tiny_problems):
-    from hacrl.pool import prompt_template
+    from hacrl.agents.pool import prompt_template
 
     ac, agent = make_agent("llama", "bytelevel_bpe", tiny_problems)
     tok = agent.tokenizer

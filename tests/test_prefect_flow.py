@@ -25,9 +25,9 @@ import pytest
 
 from conftest import SMOKE, dvc_workspace
 
-from hacrl.launch import flow_failure
-from hacrl.orchestration import ITERATION_STAGES, workspace_lock
-from hacrl.services import client_env
+from hacrl.ops.launch import flow_failure
+from hacrl.ops.orchestration import ITERATION_STAGES, workspace_lock
+from hacrl.ops.services import client_env
 
 pytestmark = pytest.mark.slow
 

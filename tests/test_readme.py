@@ -82,9 +82,9 @@ def test_the_readme_comparisons_are_valid_plans(tmp_path):
 def test_the_readme_mlflow_commands_list_the_experiment_and_its_runs(tmp_path):
     from conftest import SMOKE
 
-    from hacrl import config as config_mod
-    from hacrl.stage_result import StageResult
-    from hacrl.tracking import Tracker
+    from hacrl.config import schema as config_mod
+    from hacrl.pipeline.result import StageResult
+    from hacrl.ops.tracking import Tracker
 
     cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hacrl import config
+from hacrl.config import schema as config
 from hacrl.resources import PlanError, plan
 
 AGENTS = ["small", "mid", "large"]
@@ -196,7 +196,7 @@ def test_cpu_shares_and_the_whole_host_do_not_mix():
 
 
 def test_stage_devices_tags_and_gpu_routing_follow_the_plan():
-    from hacrl.orchestration import device_tags, gpu_stages, stage_devices
+    from hacrl.ops.orchestration import device_tags, gpu_stages, stage_devices
 
     cpu = config.from_dict(config.compose([]))
     assert stage_devices(cpu, "update-policies@it3") == ("cpu",) and device_tags(("cpu",)) == []

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from hacrl.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool,
+from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool,
                            check, fast_verdict, reward_of)
 
 
@@ -37,7 +37,7 @@ def test_pool_verifies_in_order_and_dedupes():
 # answers one specific response. The real math-verify worker answers everything else.
 HANGING_WORKER = (
     "import sys, json, time\n"
-    "from hacrl.rewards import check\n"
+    "from hacrl.task.rewards import check\n"
     "for line in sys.stdin:\n"
     "    k, g, r = json.loads(line)\n"
     "    if r == 'HANG':\n"
@@ -64,7 +64,7 @@ def _real_worker(trigger: str, action: str, ready_delay: float = 0.0, ready_file
     it says it is ready ``ready_delay`` s after its imports (noting when in ``ready_file``)."""
     return (
         "import sys, json, os, time\n"
-        "from hacrl.rewards import check\n"
+        "from hacrl.task.rewards import check\n"
         "import math_verify\n"
         f"time.sleep({ready_delay})\n"
         f"if {ready_file!r}:\n"

@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from hacrl import config, stages
-from hacrl.experience import read_records
+from hacrl.config import schema as config
+from hacrl.pipeline import stages
+from hacrl.exchange.experience import read_records
 from hacrl.storage import RunLayout
 
 pytestmark = pytest.mark.slow

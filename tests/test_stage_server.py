@@ -14,7 +14,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl import stage_server
+from hacrl.ops import stage_server
 
 
 @pytest.fixture()
@@ -24,11 +24,11 @@ def env(tmp_path):
     e["PATH"] = f"{Path(sys.executable).parent}:{e['PATH']}"
     e.pop("HACRL_STAGE_SERVER", None)
     yield e
-    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; stage_server.stop()"], env=e)
+    subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl.ops import stage_server; stage_server.stop()"], env=e)
 
 
 def _sock(env):
-    return Path(subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl import stage_server; print(stage_server.socket_path())"],
+    return Path(subprocess.run([sys.executable, "-c", "import hacrl.cli; from hacrl.ops import stage_server; print(stage_server.socket_path())"],
                                env=env, capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -84,7 +84,7 @@ def test_a_server_whose_code_changed_refuses_and_a_fresh_one_serves(tmp_path, en
     sock = _sock(env)
     _stage(ws, env, "prepare-data")
     _wait_ready(sock)
-    src = Path(stage_server.__file__).with_name("lazy.py")
+    src = Path(stage_server.__file__).parents[1] / "lazy.py"
     st = src.stat()
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     try:

@@ -7,9 +7,10 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl import config, stages
+from hacrl.config import schema as config
+from hacrl.pipeline import stages
 from hacrl.errors import NonFiniteLossError
-from hacrl.experience import read_records, write_records
+from hacrl.exchange.experience import read_records, write_records
 from test_experience import plain
 from hacrl.storage import RunLayout, read_json
 
@@ -64,8 +65,8 @@ def test_rollout_records_carry_what_later_stages_need(pipeline):
 
 
 def test_gspo_self_ratio_is_exactly_one_on_the_first_minibatch(pipeline, tmp_path):
-    from hacrl.pool import load_agent
-    from hacrl.update import train_learner
+    from hacrl.agents.pool import load_agent
+    from hacrl.rl.update import train_learner
 
     cfg, _ = pipeline
     lay = RunLayout(cfg.experiment.runs_dir)
@@ -139,8 +140,8 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
                                                  add_special_tokens=False)["input_ids"]
     assert tok.decode(peer["input_response_ids"], skip_special_tokens=True) == peer["response_text"]
     # the learner's input is a function of the published shards, its tokenizer and template alone
-    from hacrl.experience import LearnerView, subscribe
-    from hacrl.pool import load_tokenizer
+    from hacrl.exchange.experience import LearnerView, subscribe
+    from hacrl.agents.pool import load_tokenizer
 
     published = {p.name: {k: read_records(lay.published(1, p.name, k), k)
                           for k in ("trajectory", "verified_success", "reward_stats")} for p in cfg_s.agents}
@@ -150,7 +151,7 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
     assert plain(again) == plain(inp)
     # THL: a peer's trace, aligned onto the learner's tokens, keeps its log-prob mass (the barely
     # trained tiny models also emit <unk>/<pad> mid-response: no text, so their mass is dropped)
-    from hacrl.thl import token_spans
+    from hacrl.exchange.thl import token_spans
 
     checked = 0
     for row in inp[~inp["is_self"]].itertuples():
@@ -283,7 +284,7 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
     import sys
 
     cfg, _ = pipeline
-    script = ("import json, sys\nfrom hacrl import config, stages\n"
+    script = ("import json, sys\nfrom hacrl.config import schema as config\nfrom hacrl.pipeline import stages\n"
               "d = config.compose(json.loads(sys.argv[1]))\n"
               "d['experiment']['runs_dir'], d['experiment']['reports_dir'] = sys.argv[2], sys.argv[3]\n"
               "stages.update_policies(config.from_dict(d), 1)\n")
@@ -302,7 +303,7 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
 
 def test_dvc_metrics_hold_the_headline_per_agent():
     """`dvc metrics show` prints a few columns per agent; the rest stays in the history file."""
-    from hacrl.stages import HEADLINE, headline_metrics
+    from hacrl.pipeline.stages import HEADLINE, headline_metrics
 
     full = {"iteration": 2, "agents": {"a": {"eval_accuracy": 0.5, "eval_stderr": 0.01, "eval_n": 1200,
                                              "by_level": {"1": 0.6}, "train_reward": 0.4, "entropy": 1.2},

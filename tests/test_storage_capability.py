@@ -1,7 +1,7 @@
 import pandas as pd
 import pytest
 
-from hacrl.capability import omega_matrix, update_history, windowed_capability
+from hacrl.rl.capability import omega_matrix, update_history, windowed_capability
 from hacrl.storage import atomic_path, clean_tmp, write_json
 
 

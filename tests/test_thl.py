@@ -1,4 +1,4 @@
-"""THL: retokenisation, character spans and the log-prob alignment rule (hacrl.thl).
+"""THL: retokenisation, character spans and the log-prob alignment rule (hacrl.exchange.thl).
 
 The tokenizers are trained here on task texts (plus some LaTeX / unicode lines), saved as Hugging
 Face directories and loaded back through ``AutoTokenizer``, as agents are. A BERT-like WordPiece
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hacrl.config import ThlConfig
-from hacrl.thl import Alignment, align_response, align_trace, residual_summary, retokenize, token_spans
+from hacrl.config.schema import ThlConfig
+from hacrl.exchange.thl import Alignment, align_response, align_trace, residual_summary, retokenize, token_spans
 
 SETTINGS = settings(max_examples=60, deadline=None)
 NAMES = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram", "wordpiece", "bytelevel_bpe_mem"]
@@ -41,9 +41,9 @@ def toks(tmp_path_factory) -> Toks:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from hacrl.config import TokenizerConfig
-    from hacrl.data import completion_text, generate_split
-    from hacrl.pool import train_tokenizer
+    from hacrl.config.schema import TokenizerConfig
+    from hacrl.task.data import completion_text, generate_split
+    from hacrl.agents.pool import train_tokenizer
 
     levels = {"add": 1.0, "sub": 1.0, "mul": 0.5, "frac": 0.5, "add3": 0.5}
     corpus = [f"Q: {p['problem']}\nA:{completion_text(p['answer'])}"
@@ -66,7 +66,7 @@ def toks(tmp_path_factory) -> Toks:
     return out
 
 
-# ---------------------------------------------------------------- oracles (independent of hacrl.thl)
+# ---------------------------------------------------------------- oracles (independent of hacrl.exchange.thl)
 
 def encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]

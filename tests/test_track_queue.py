@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import SMOKE
 
-from hacrl import config as config_mod
-from hacrl import track_queue
+from hacrl.config import schema as config_mod
+from hacrl.ops import track_queue
 
 
 def _cfg(tmp_path: Path):
@@ -24,11 +24,12 @@ def _cfg(tmp_path: Path):
 def test_a_stage_queues_its_record_without_importing_mlflow_and_track_logs_it(tmp_path):
     code = f"""
 import sys, time
-from hacrl import config as config_mod, tracking
+from hacrl.config import schema as config_mod
+from hacrl.ops import tracking
 from conftest import SMOKE
 cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
 cfg.tracking.uri = "sqlite:///{tmp_path / 'mlflow.db'}"
-from hacrl.stage_result import StageResult
+from hacrl.pipeline.result import StageResult
 res = StageResult({{"p_hat": {{"gpt2-a": 0.25}}}}, agents={{"gpt2-a": {{"p_hat": 0.25}}}}, metrics={{"pooled/n": 3}})
 tracking.log_stage(cfg, "compute-capability-stats", 1, res, 1.5, project_dir="{tmp_path}", started=1000.0)
 assert "mlflow" not in sys.modules, "the stage process imported mlflow"

@@ -13,10 +13,10 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl import config as config_mod
-from hacrl.stage_result import Input, Series, StageResult
+from hacrl.config import schema as config_mod
+from hacrl.pipeline.result import Input, Series, StageResult
 from hacrl.storage import RunLayout, read_json
-from hacrl.tracking import Tracker, dvc_hash
+from hacrl.ops.tracking import Tracker, dvc_hash
 
 AGENTS = ("gpt2-a", "llama-b")
 
@@ -186,7 +186,7 @@ def test_a_config_that_changes_results_starts_a_new_experiment_run(tracked):
 def test_credentials_in_a_uri_never_reach_mlflow_params():
     import dataclasses
 
-    from hacrl.tracking import flatten
+    from hacrl.ops.tracking import flatten
 
     cfg = config_mod.from_dict(config_mod.compose(SMOKE))
     cfg.tracking.uri = "https://alice:s3cr3t@mlflow.example.org:5000"

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from hacrl import config
-from hacrl.services import service_env
-from hacrl.tracking import runs_url
+from hacrl.config import schema as config
+from hacrl.ops.services import service_env
+from hacrl.ops.tracking import runs_url
 
 
 def test_serve_links_the_experiments_training_runs(tmp_path, monkeypatch):

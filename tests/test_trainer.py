@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hacrl.config import TrainerConfig
+from hacrl.config.schema import TrainerConfig
 from hacrl.errors import NonFiniteLossError
-from hacrl.trainer import PolicyOptimizer
+from hacrl.rl.trainer import PolicyOptimizer
 
 
 def _model():

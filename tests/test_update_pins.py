@@ -21,8 +21,9 @@ import pytest
 
 from conftest import ROOT, SMOKE
 
-from hacrl import config, stages
-from hacrl.experience import read_records, write_records
+from hacrl.config import schema as config
+from hacrl.pipeline import stages
+from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
 
 PINS = json.loads((ROOT / "tests" / "data" / "update_pins.json").read_text())

@@ -16,9 +16,10 @@ import torch
 
 from conftest import SMOKE, make_agent
 
-from hacrl import config, stages
-from hacrl.experience import read_records
-from hacrl.scoring import pack, response_span, token_logprobs
+from hacrl.config import schema as config
+from hacrl.pipeline import stages
+from hacrl.exchange.experience import read_records
+from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.storage import RunLayout
 
 
@@ -77,9 +78,9 @@ def iteration1(tmp_path_factory):
 
 
 def _update(cfg, tmp, name, **trainer):
-    from hacrl.pool import load_agent
+    from hacrl.agents.pool import load_agent
     from hacrl.storage import read_json
-    from hacrl.update import train_learner
+    from hacrl.rl.update import train_learner
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
     lay = RunLayout(cfg.experiment.runs_dir)

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hacrl.stages import vllm_python
+from hacrl.pipeline.stages import vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,9 @@ LOGPROB_TOL = 1e-4
 def _model(tmp, tiny_problems, tied: bool):
     """A llama of head_dim 32 (vLLM's CPU attention refuses 16 and 24), saved with its
     tokenizer; weights at a wide init so greedy choices are not near-ties."""
-    from hacrl.config import AgentConfig, TokenizerConfig
-    from hacrl.data import completion_text
-    from hacrl.pool import build_model, train_tokenizer
+    from hacrl.config.schema import AgentConfig, TokenizerConfig
+    from hacrl.task.data import completion_text
+    from hacrl.agents.pool import build_model, train_tokenizer
 
     ac = AgentConfig(name="llama-v", arch="llama",
                      model_config={"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -68,7 +68,7 @@ def _perturbed(model, d_new, scale=0.3):
 
 
 def _engine(d, tok):
-    from hacrl.vllm_engine import VLLMEngine
+    from hacrl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(d, tok, python=PYTHON, max_model_len=128, dtype="float32", seed=0, threads=2, timeout_s=600)
 
@@ -78,7 +78,7 @@ def _prompts(ac, tiny_problems, n=24):
 
 
 def _greedy(engine, prompts):
-    from hacrl.engines import SamplingParams
+    from hacrl.rollout.engine import SamplingParams
 
     comps = engine.generate(prompts, SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=12,
                                                     seed=0, greedy=True))
@@ -86,13 +86,13 @@ def _greedy(engine, prompts):
 
 
 def _gap(model, tok, comps, temperature):
-    from hacrl.stages import logprob_gap
+    from hacrl.pipeline.stages import logprob_gap
 
     return logprob_gap(model, comps, tok.pad_token_id, temperature, samples=len(comps))
 
 
 def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_problems):
-    from hacrl.engines import HFEngine, SamplingParams
+    from hacrl.rollout.engine import HFEngine, SamplingParams
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=False)
     prompts = _prompts(ac, tiny_problems)
@@ -119,8 +119,8 @@ def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_pr
 
 
 def test_vllm_tied_embeddings_sync_by_restart(tmp_path, tiny_problems):
-    from hacrl.engines import HFEngine
-    from hacrl.vllm_engine import ties_embeddings
+    from hacrl.rollout.engine import HFEngine
+    from hacrl.rollout.vllm_engine import ties_embeddings
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=True)
     assert ties_embeddings(d)
@@ -136,7 +136,7 @@ def test_vllm_tied_embeddings_sync_by_restart(tmp_path, tiny_problems):
 
 
 def test_vllm_worker_errors_are_clear(tmp_path, tiny_problems):
-    from hacrl.vllm_engine import EngineError, VLLMEngine
+    from hacrl.rollout.vllm_engine import EngineError, VLLMEngine
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=False)
     with pytest.raises(EngineError, match="no vLLM environment"):

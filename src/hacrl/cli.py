@@ -34,11 +34,11 @@ def _setup_logging(level: str = "INFO") -> None:
 
 STAGE_NAMES = ("prepare-data", "prepare-pool", "generate-rollouts", "verify-rewards", "exchange-and-align",
                "compute-capability-stats", "update-policies", "evaluate", "report")
-"""The stages of :data:`hacrl.stages.STAGES`, named here so that ``--help`` imports no stage code."""
+"""The stages of :data:`hacrl.pipeline.stages.STAGES`, named here so that ``--help`` imports no stage code."""
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hacrl.config import compose, keep_extension, write_params
+    from hacrl.config.schema import compose, keep_extension, write_params
 
     data = compose(args.overrides)
     out = Path(args.out)
@@ -57,8 +57,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     write_params(data, out)
     print(f"wrote {out} ({data['algorithm']['name']}, {len(data['agents'])} agents, "
           f"{data['experiment']['iterations']} iterations)")
-    from hacrl.config import from_dict
-    from hacrl.tracking import foreign_store
+    from hacrl.config.schema import from_dict
+    from hacrl.ops.tracking import foreign_store
 
     foreign = foreign_store(from_dict(data), Path("."))
     if foreign:
@@ -67,10 +67,10 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from hacrl import config as config_mod
-    from hacrl import tracking
-    from hacrl.orchestration import ITERATION_STAGES
-    from hacrl.stages import STAGES
+    from hacrl.config import schema as config_mod
+    from hacrl.ops import tracking
+    from hacrl.ops.orchestration import ITERATION_STAGES
+    from hacrl.pipeline.stages import STAGES
     from hacrl.storage import clean_tmp
 
     cfg = config_mod.load(args.params)
@@ -89,7 +89,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     log.info("stage %s (iteration %d) started", args.name, t)
     try:
         _injected_fault(args.name, t)
-        from hacrl.inputs import dvc_stage_id, verify
+        from hacrl.ops.inputs import dvc_stage_id, verify
 
         # the upstream artifacts it reads are what their stages wrote (dvc.lock), before any work
         verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or dvc_stage_id(args.name, t))
@@ -118,7 +118,7 @@ def _injected_fault(stage: str, t: int) -> None:
 
 def cmd_input_stamp(args: argparse.Namespace) -> int:
     """dvc.yaml's external-input stage: the content hash of one input outside the repository."""
-    from hacrl.inputs import stamp
+    from hacrl.ops.inputs import stamp
 
     print(stamp(".", args.key, args.params or os.environ.get("HACRL_PARAMS", "params.yaml")))
     return 0
@@ -126,14 +126,14 @@ def cmd_input_stamp(args: argparse.Namespace) -> int:
 
 def cmd_track(args: argparse.Namespace) -> int:
     """Log the stage records still queued for MLflow, after any flusher still at work."""
-    from hacrl import config as config_mod
-    from hacrl import track_queue
+    from hacrl.config import schema as config_mod
+    from hacrl.ops import track_queue
 
     cfg = config_mod.load(args.params)
     if not cfg.tracking.enabled:
         return 0
     project = Path(".").resolve()
-    from hacrl.tracking import foreign_store
+    from hacrl.ops.tracking import foreign_store
 
     foreign = foreign_store(cfg, project)
     if foreign:  # nothing is logged into another workspace's store; the queue stays
@@ -153,8 +153,8 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from hacrl import algorithms
-    from hacrl.config import CONF_DIR
+    from hacrl.rl import algorithms
+    from hacrl.config.schema import CONF_DIR
 
     print("presets (conf/algorithm/, select with algorithm=NAME):")
     for f in sorted((CONF_DIR / "algorithm").glob("*.yaml")):
@@ -172,8 +172,8 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hacrl import config as config_mod
-    from hacrl.stages import run_in_process
+    from hacrl.config import schema as config_mod
+    from hacrl.pipeline.stages import run_in_process
 
     cfg = config_mod.load(args.params)
     timings = run_in_process(cfg)
@@ -184,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hacrl.compare import run_suite
+    from hacrl.study.compare import run_suite
 
     contenders = args.contenders.split(",") if args.contenders else None
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
@@ -194,9 +194,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from hacrl.bench import SUITES
-    from hacrl.bench.runner import SIZES, run_suite
-    from hacrl.config import ConfigError
+    from hacrl.study.bench import SUITES
+    from hacrl.study.bench.runner import SIZES, run_suite
+    from hacrl.config.schema import ConfigError
 
     if args.suite != "all" and args.suite not in SUITES:
         raise ConfigError(f"bench: unknown suite {args.suite!r} (choose from all, {', '.join(SUITES)})")
@@ -207,7 +207,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hacrl.services import ENV_FILE, ServiceError, serve
+    from hacrl.ops.services import ENV_FILE, ServiceError, serve
 
     try:
         st = serve(args.project, args.prefect_port, args.mlflow_port, args.gpu_workers, not args.no_mlflow_ui)
@@ -220,8 +220,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ui = f"http://127.0.0.1:{st['mlflow_port']}"
         params = Path(args.project).resolve() / "params.yaml"
         if params.exists():  # straight to the experiment's training runs
-            from hacrl import config as config_mod
-            from hacrl.tracking import runs_url
+            from hacrl.config import schema as config_mod
+            from hacrl.ops.tracking import runs_url
 
             try:
                 cfg = config_mod.load(params)
@@ -239,8 +239,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_iterate(args: argparse.Namespace) -> int:
     """One iterate flow run on the services ``hacrl serve`` started, followed to its end."""
-    from hacrl.launch import NoPrefect, launch
-    from hacrl.services import client_env
+    from hacrl.ops.launch import NoPrefect, launch
+    from hacrl.ops.services import client_env
 
     project = Path(args.project).resolve()
     os.environ.update({k: v for k, v in client_env(project).items() if k.startswith(("PREFECT_", "HACRL_MLFLOW"))})
@@ -252,7 +252,7 @@ def cmd_iterate(args: argparse.Namespace) -> int:
 
 
 def cmd_resources(args: argparse.Namespace) -> int:
-    from hacrl import config as config_mod
+    from hacrl.config import schema as config_mod
     from hacrl.resources import plan
 
     cfg = config_mod.from_dict(config_mod.compose(args.overrides)) if args.overrides else config_mod.load(args.params)
@@ -262,8 +262,8 @@ def cmd_resources(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from hacrl import stage_server
-    from hacrl.services import stop
+    from hacrl.ops import stage_server
+    from hacrl.ops.services import stop
 
     stopped = stop(args.project) + (["stage server"] if stage_server.stop() else [])
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -273,8 +273,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and "stage" in sys.argv[1:3]:
         # a stage started as a process (by dvc repro, Prefect, a shell): fork it from the warm
-        # stage server when there is one (hacrl.stage_server); otherwise run it here, cold
-        from hacrl import stage_server
+        # stage server when there is one (hacrl.ops.stage_server); otherwise run it here, cold
+        from hacrl.ops import stage_server
 
         if stage_server.enabled():
             rc = stage_server.run_remote(sys.argv[1:])
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.log_level.upper())
 
-    from hacrl.config import ConfigError
-    from hacrl.data import DataError
+    from hacrl.config.schema import ConfigError
+    from hacrl.task.data import DataError
     from hacrl.errors import NonFiniteLossError, UnsafeStateError
 
     try:

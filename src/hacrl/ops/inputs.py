@@ -1,0 +1,214 @@
+"""A stage's inputs are checked before it reads them: each artifact another stage wrote must be
+what that stage wrote, by the hash DVC recorded for it (``dvc.lock``), and must exist.
+
+``dvc repro`` alone would not catch a damaged input: a consumer stage run on its own (``dvc
+repro --single-item``, a Prefect task, ``hacrl stage``) sees a changed dependency, runs on it
+and records the damaged hash. Here the consumer compares each upstream output it depends on
+(per ``dvc.yaml``) with the hash its producer's entry in ``dvc.lock`` holds, and a mismatch is a
+one-line error naming the file, the producer and the way back (``dvc checkout`` from the cache,
+or re-running the producer). Without ``dvc.yaml``/``dvc.lock`` (``hacrl run``, the comparison
+suites) there is no record and nothing is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from pathlib import Path
+
+import yaml
+
+from hacrl.task.data import DataError
+from hacrl.ops.orchestration import ITERATION_STAGES
+
+
+class DamagedInput(DataError):
+    """An input is missing, or is not what the stage that writes it wrote (exit 2: rerunning the
+    same stage on the same input cannot help)."""
+
+
+def dvc_stage_id(name: str, t: int) -> str:
+    """The ``dvc.yaml`` stage that ``hacrl stage NAME --iteration T`` is."""
+    if name == "evaluate" and t == 0:
+        return "evaluate-warmup"
+    return f"{name}@it{t}" if name in ITERATION_STAGES else name
+
+
+def _load(path: Path) -> dict:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(path) as f:
+        return yaml.load(f, Loader=loader) or {}  # noqa: S506 - a safe loader
+
+
+_VAR = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def _resolve(entry: dict, it: int | None, params: dict | None = None) -> dict:
+    """A stage of dvc.yaml with its paths' ``${...}`` filled in as DVC fills them: ``item.it``
+    and ``item.prev`` of a foreach stage, any other name from params.yaml; normalised."""
+    body = entry.get("do", entry)
+    values = {"item.it": it, "item.prev": None if it is None else it - 1}
+
+    def value(m: re.Match) -> str:
+        name = m.group(1)
+        if name in values:
+            return m.group(0) if values[name] is None else str(values[name])
+        v: object = params or {}
+        for part in name.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        return m.group(0) if v is None or isinstance(v, (dict, list)) else str(v)
+
+    def paths(items: list) -> list[str]:
+        raw = [next(iter(x)) if isinstance(x, dict) else x for x in items or []]
+        return [posixpath.normpath(_VAR.sub(value, p)) for p in raw]
+
+    return {"deps": paths(body.get("deps")), "outs": paths(body.get("outs"))}
+
+
+def _stages(spec: dict, stage_id: str, params: dict | None = None) -> dict | None:
+    base, _, suffix = stage_id.partition("@")
+    entry = spec.get("stages", {}).get(base)
+    if entry is None:
+        return None
+    it = int(suffix[2:]) if suffix.startswith("it") and suffix[2:].isdigit() else None
+    return _resolve(entry, it, params)
+
+
+def producer_of(spec: dict, path: str) -> str | None:
+    """The ``dvc.yaml`` stage that writes ``path`` (``runs/it3/rollouts`` -> ``generate-rollouts@it3``)."""
+    m = re.search(r"(?:^|/)it(\d+)(?:/|$)", path)
+    stages = spec.get("stages", {})
+    for name, entry in stages.items():  # the plain stages first (runs/it0/... is prepare-pool's)
+        if "foreach" not in entry and path in _resolve(entry, None)["outs"]:
+            return name
+    if m and int(m.group(1)) >= 1:  # RL iterations start at 1
+        it = int(m.group(1))
+        for name, entry in stages.items():
+            if "foreach" in entry and path in _resolve(entry, it)["outs"]:
+                return f"{name}@it{it}"
+    return None
+
+
+def _differing_file(project: Path, path: Path, md5: str) -> str:
+    """Which file of directory ``path`` differs from DVC's record (its ``.dir`` manifest in the
+    cache), else the directory itself."""
+    from hacrl.ops.tracking import file_md5
+
+    manifest = project / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+    if not manifest.is_file():
+        return str(path)
+    want = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
+    have = {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file()}
+    for rel in sorted(want):
+        if rel not in have:
+            return f"{path / rel} (missing)"
+        if file_md5(path / rel) != want[rel]:
+            return str(path / rel)
+    extra = sorted(have - set(want))
+    return f"{path / extra[0]} (not written by it)" if extra else str(path)
+
+
+def _hash(project: Path, path: Path) -> str:
+    """DVC's hash of ``path``, each file's md5 memoised by (size, mtime, ctime, inode) in
+    ``.dvc/tmp/hacrl-md5.json``: a stage start stats its inputs instead of reading them again
+    (DVC hashed them a moment ago). Any write to a file changes its ctime, which no tool sets."""
+    from hacrl.storage import atomic_write_text
+    from hacrl.ops.tracking import dvc_hash, file_md5
+
+    cache_file = project / ".dvc" / "tmp" / "hacrl-md5.json"
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    except (OSError, ValueError):
+        cache = {}
+    seen = {}
+
+    def md5_of(f: Path) -> str:
+        st = f.stat()
+        key = str(f.resolve())
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = cache.get(key)
+        if hit and hit[0] == stamp:
+            seen[key] = hit
+            return hit[1]
+        seen[key] = [stamp, file_md5(f)]
+        return seen[key][1]
+
+    h = dvc_hash(path, md5=md5_of)
+    if seen and cache_file.parent.is_dir():
+        cache.update(seen)
+        try:
+            atomic_write_text(cache_file, json.dumps(cache))
+        except OSError:  # a cache only
+            pass
+    return h
+
+
+def verify(project: str | os.PathLike, stage_id: str) -> list[str]:
+    """Check the upstream outputs ``stage_id`` depends on; return the paths checked.
+
+    Raises :class:`DamagedInput` naming the first input that is missing or differs from what its
+    producer wrote (by ``dvc.lock``).
+    """
+    project = Path(project)
+    if not (project / "dvc.yaml").is_file():
+        return []
+    spec = _load(project / "dvc.yaml")
+    params = _load(project / "params.yaml") if (project / "params.yaml").is_file() else {}
+    stage = _stages(spec, stage_id, params)
+    if stage is None:
+        return []
+    lock = _load(project / "dvc.lock").get("stages", {}) if (project / "dvc.lock").is_file() else {}
+    recorded = {posixpath.normpath(o["path"]): (o.get("md5"), name) for name, st in lock.items()
+                for o in st.get("outs", [])}
+    checked = []
+    for dep in stage["deps"]:
+        producer = recorded[dep][1] if dep in recorded else producer_of(spec, dep)
+        if producer is None:
+            continue  # code, or a file no stage writes
+        path = project / dep
+        if not path.exists():
+            raise DamagedInput(f"{dep}: missing; {producer} writes it (`dvc repro {producer}`)")
+        if dep not in recorded:
+            continue  # written outside DVC (no record to compare with)
+        md5 = recorded[dep][0]
+        if md5 and _hash(project, path) != md5:
+            what = _differing_file(project, path, md5) if path.is_dir() else dep
+            raise DamagedInput(f"{what}: not what {producer} wrote (dvc.lock has another hash): damaged or "
+                               f"edited; `dvc checkout --force {dep}` restores it from the cache, `dvc repro {producer}` "
+                               f"writes it again")
+        checked.append(dep)
+    return checked
+
+
+EXTERNAL_DIR = "data/external"
+"""Where the ``external-input`` stages write one stamp per input outside the repository."""
+
+
+def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "params.yaml") -> Path:
+    """The ``external-input@KEY`` stage: write ``data/external/KEY.json`` holding the content
+    hash of the input (a file's md5, a directory's DVC tree hash), so that the stages reading it
+    (prepare-data, prepare-pool) are stale exactly when its content changed. The placeholder
+    entry (nothing external) gets a constant stamp."""
+    from hacrl.config.schema import ConfigError, read_yaml
+    from hacrl.storage import atomic_write_text
+    from hacrl.ops.tracking import dvc_hash
+
+    project = Path(project)
+    entries = (read_yaml(project / params) or {}).get("external_inputs") or {}
+    if key not in entries:
+        raise ConfigError(f"external input {key!r}: not in params.yaml (has: {', '.join(entries) or 'none'}); "
+                          f"run `hacrl config`")
+    path = Path(entries[key]["path"])
+    path = path if path.is_absolute() else project / path
+    if key == "none":
+        doc = {"input": key}
+    elif not path.exists():
+        raise DataError(f"{entries[key]['path']}: does not exist (external input {key})")
+    else:
+        doc = {"input": key, "md5": dvc_hash(path)}
+    out = project / EXTERNAL_DIR / f"{key}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(doc, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,111 @@
+"""``hacrl iterate``: start one iterate flow run, named after its iteration, and follow it.
+
+``prefect deployment run hacrl/iterate --watch`` works too, but its run gets a random name
+until the flow has planned (``iterate-itT`` only then), and a failure ends with "Flow run
+finished in state 'Failed'". This creates the run already named ``iterate-itT`` (the iteration
+is read from ``dvc status`` as the flow will choose it, without writing anything), prints each
+stage as it starts and ends, and a failure as one line: the stage and its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hacrl.ops.orchestration import next_iteration
+
+DEPLOYMENT = "hacrl/iterate"
+_MARK = {"RUNNING": "▶", "COMPLETED": "✓", "FAILED": "✗", "CRASHED": "✗", "CANCELLED": "✗"}
+
+
+class NoPrefect(RuntimeError):
+    """No Prefect server (or no ``hacrl/iterate`` deployment) to run on."""
+
+
+def flow_failure(message: str) -> str:
+    """The one-line reason in a failed flow run's state message (Prefect prefixes the
+    exception's type and text with its own words)."""
+    m = re.search(r"IterationFailed: (.*)", message or "")
+    if m:
+        return m.group(1).strip()
+    m = re.search(r"exception: (.*)", message or "")
+    return (m.group(1) if m else message or "no message").strip().splitlines()[0]
+
+
+def launch(project: Path, iteration: int | None = None, force: bool = False, overrides: list[str] | None = None,
+           watch: bool = True, poll_s: float = 1.0, out: Callable[[str], None] = print) -> int:
+    """Create an iterate flow run named ``iterate-itT``; with ``watch``, follow it to the end.
+
+    Returns 0 when it completed (or was only created), 1 when it failed. Raises
+    :class:`hacrl.config.schema.ConfigError` for an iteration that cannot run, :class:`NoPrefect`
+    without a server.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.exceptions import ObjectNotFound
+
+    if not os.environ.get("PREFECT_API_URL"):  # Prefect would start a throwaway server of its own
+        raise NoPrefect("no Prefect server: run `make serve` first (hacrl iterate finds its services; "
+                        "elsewhere `source .services.env`)")
+    if overrides:  # refused here, before a flow run exists (the flow recomposes params.yaml with them)
+        from hacrl.config.schema import compose
+
+        compose(list(overrides))
+    # with overrides the iteration is chosen once params.yaml is recomposed: the flow names its run then
+    t = None if overrides else next_iteration(project, iteration)  # None: known once prepared
+    name = f"iterate-it{t}" if t is not None else "iterate"
+    params: dict = {"project_dir": str(project)}
+    if iteration is not None:
+        params["iteration"] = iteration
+    if force:
+        params["force"] = True
+    if overrides:
+        params["overrides"] = list(overrides)
+    try:
+        with get_client(sync_client=True) as client:
+            dep = client.read_deployment_by_name(DEPLOYMENT)
+            fr = client.create_flow_run_from_deployment(dep.id, parameters=params, name=name)
+    except ObjectNotFound:
+        raise NoPrefect(f"no deployment {DEPLOYMENT} on {os.environ.get('PREFECT_API_URL', 'this Prefect')}: "
+                        f"run `make serve` first") from None
+    except Exception as e:  # connection refused, no API URL
+        raise NoPrefect(f"no Prefect server at {os.environ.get('PREFECT_API_URL', '(PREFECT_API_URL unset)')}: "
+                        f"run `make serve` (and `source .services.env`) first ({type(e).__name__})") from None
+    ui = os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
+    out(f"flow run {name} created: {ui}/runs/flow-run/{fr.id}" if ui else f"flow run {name}: {fr.id}")
+    if not watch:
+        return 0
+    said: dict[str, set] = {}  # per task: what was printed (a start, each retry, the end)
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(fr.id)
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
+            for tr in sorted(tasks, key=lambda x: x.created):
+                state = tr.state_type.value if tr.state_type else "PENDING"
+                if state not in _MARK:
+                    continue  # scheduled, pending, awaiting a retry: nothing to say yet
+                done = said.setdefault(tr.name, set())
+                if "start" not in done:  # also for a task that started and ended between two polls
+                    out(f"  ▶ {tr.name}")
+                    done.add("start")
+                if tr.run_count > 1 and ("retry", tr.run_count) not in done:
+                    out(f"  ↻ {tr.name} (attempt {tr.run_count})")
+                    done.add(("retry", tr.run_count))
+                if state != "RUNNING" and ("end", state, tr.run_count) not in done:
+                    took = f" ({tr.total_run_time.total_seconds():.1f} s)" if state == "COMPLETED" else ""
+                    out(f"  {_MARK[state]} {tr.name}{took}")
+                    done.add(("end", state, tr.run_count))
+            if run.state is not None and run.state.is_final():
+                break
+            time.sleep(poll_s)
+    took = time.monotonic() - t0
+    name = run.name
+    if run.state.is_completed():
+        out(f"{name}: completed in {took:.0f} s")
+        return 0
+    out(f"{name}: {run.state.type.value.lower()}: {flow_failure(run.state.message or '')}")
+    return 1

@@ -1,0 +1,591 @@
+"""MLflow lineage of every stage, however it was launched (``dvc repro``, Prefect, by hand).
+
+Structure, in one MLflow experiment per ``experiment.name``::
+
+    {experiment}               the experiment's run, across iterations (params: the config;
+    │                          artifacts: the reports; resumed by id, a new one when the config
+    │                          changes what the results are)
+    ├── it{t}                  one nested run per iteration: each stage's wall time (``wall_s/STAGE``)
+    │                          and stage-wide figures at step t; inputs: the files the stages read
+    │                          (digest = their DVC md5), the checkpoints it started from; outputs:
+    │                          the checkpoints it wrote
+    {agent}                    one run per agent, across iterations: every figure of the agent at
+                               step t (held-out accuracy, reward, entropy, KL, clip fractions...),
+                               per-update figures at the learner's update count
+
+Each checkpoint (iteration 0's pool and every update) is an external MLflow logged model
+``{agent}-it{t}`` (the weights stay in the DVC workspace; tags: path, DVC hash, iteration, git
+commit, Prefect flow run; params: the config). Its held-out figures are logged with its model id
+and the held-out dataset, so the experiment's Models tab ranks checkpoints by accuracy; its
+source run is the iteration's run, whose inputs are the rollout, reward and learner shards it
+was trained on. With ``tracking.register_models`` each is also a version of the registered model
+``{experiment}.{agent}`` with alias ``it{t}``.
+
+Which MLflow runs are current is kept outside the DVC outputs (``runs/.tracking/runs.json``),
+so tracking ids never make two otherwise identical artifacts differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from hacrl.config.schema import Config
+from hacrl.pipeline.result import Input, StageResult
+from hacrl.storage import RunLayout, read_json, write_json
+
+log = logging.getLogger(__name__)
+
+_BAD_METRIC_CHARS = re.compile(r"[^A-Za-z0-9_\-./ ]")
+FLOW_RUN_ENV = "HACRL_PREFECT_FLOW_RUN_ID"
+"""Set by the Prefect task that launched a stage; tagged on its runs and model versions."""
+
+
+def sanitize(name: str) -> str:
+    """A metric/param name MLflow accepts (alphanumerics and ``_ - . / space``)."""
+    return _BAD_METRIC_CHARS.sub("_", name)
+
+
+def experiment_id(client, cfg: Config, project_dir: Path) -> str:
+    """The id of the experiment's MLflow experiment (``experiment.name``), created (its artifacts
+    under ``tracking.artifact_dir``) if it does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    name = cfg.experiment.name
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    art = (Path(project_dir).resolve() / cfg.tracking.artifact_dir / name).as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=art)
+    except MlflowException:  # another stage process created it meanwhile
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def foreign_store(cfg: Config, project_dir: Path) -> str | None:
+    """One line saying so when the project's own MLflow store (``mlflow.db``) was made in another
+    directory (a workspace copied with ``cp -a``): its experiments keep their absolute artifact
+    locations, so logging here would write into the other directory. ``None`` when the store is
+    this directory's, absent, or chosen explicitly (``tracking.uri``, ``$MLFLOW_TRACKING_URI``).
+    Reads the sqlite file directly: no MLflow import."""
+    import sqlite3
+    import urllib.parse
+
+    project = Path(project_dir).resolve()
+    db = project / "mlflow.db"
+    chosen = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if chosen and chosen != f"sqlite:///{db}":  # `make serve` exports the project's own store
+        return None
+    if not db.is_file():
+        return None
+    try:
+        con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT name, artifact_location FROM experiments").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    for name, loc in rows:
+        u = urllib.parse.urlparse(loc or "")
+        if u.scheme != "file":
+            continue
+        path = Path(urllib.parse.unquote(u.path))
+        if not path.is_relative_to(project):
+            home = next((p for p in path.parents if (p / "mlflow.db").exists()), path.parent)
+            return (f"mlflow.db belongs to {home} (experiment {name!r} keeps its artifacts in {path}): this "
+                    f"workspace was copied; MLflow logging is off here until you remove mlflow.db and "
+                    f"{cfg.tracking.artifact_dir}/ (a fresh store) or set tracking.uri")
+    return None
+
+
+def runs_url(ui: str, cfg: Config, project_dir: Path) -> str:
+    """The MLflow UI page of the experiment's training runs (MLflow 3 opens on its GenAI traces
+    view otherwise, empty here)."""
+    from mlflow.tracking import MlflowClient
+
+    eid = experiment_id(MlflowClient(tracking_uri(cfg, Path(project_dir))), cfg, project_dir)
+    return f"{ui.rstrip('/')}/#/experiments/{eid}/runs"
+
+
+def tracking_uri(cfg: Config, project_dir: Path) -> str:
+    """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<project>/mlflow.db``."""
+    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{(project_dir / 'mlflow.db').resolve()}"
+
+
+def file_md5(path: Path) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dvc_hash(path: str | os.PathLike, md5=file_md5) -> str:
+    """The md5 DVC records for ``path``: a file's md5, or the ``<md5>.dir`` of a directory
+    (``md5``: how a file's md5 is had, e.g. through a cache)."""
+    p = Path(path)
+    if p.is_file():
+        return md5(p)
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.meta import Meta
+    from dvc_data.hashfile.tree import Tree
+
+    tree = Tree()
+    for f in sorted(x for x in p.rglob("*") if x.is_file()):
+        tree.add(f.relative_to(p).parts, Meta(size=f.stat().st_size), HashInfo("md5", md5(f)))
+    tree.digest()
+    return tree.hash_info.value
+
+
+def git_commit(project_dir: Path) -> str:
+    """HEAD's commit, with ``-dirty`` when tracked files differ; ``unknown`` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_dir, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src", "conf", "dvc.yaml"],
+                               cwd=project_dir, capture_output=True, timeout=10).returncode != 0
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+_CREDENTIALS = re.compile(r"(?<=://)[^\s]*@")
+"""Everything between ``://`` and the last ``@`` of a URI: its user info, whatever characters
+the password holds (a ``@`` in a path after the host is rare; it would be hidden too)."""
+
+
+def redact(text: str) -> str:
+    """``scheme://user:secret@host`` as ``scheme://***@host``: credentials in a URI (a tracking
+    server's, a remote's) never reach MLflow's params."""
+    return _CREDENTIALS.sub("***@", text)
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    """Nested mappings/lists as ``a.b.0.c`` -> str(value), the shape of MLflow params."""
+    out: dict[str, str] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(obj, list) and obj and isinstance(obj[0], dict):
+        for i, v in enumerate(obj):
+            out.update(flatten(v, f"{prefix}{i}."))
+    else:
+        out[sanitize(prefix.rstrip("."))] = redact(str(obj))[:6000]
+    return out
+
+
+def config_digest(cfg: Config) -> str:
+    """A digest of what decides the experiment's results: the config without the iteration
+    count (the flow extends an experiment by one iteration at a time), the tracking and
+    orchestration settings, and the device inventory (where a job runs does not change its
+    result). A changed digest starts a new experiment run."""
+    import json
+
+    d = dataclasses.asdict(cfg)
+    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "iterations"}
+    for k in ("tracking", "orchestration", "resources"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def flow_run_url(flow_run_id: str, ui: str | None = None) -> str:
+    """The Prefect UI page of a flow run (``ui``: default ``$PREFECT_UI_URL`` or the API URL
+    without ``/api``); empty without a flow run or a Prefect server."""
+    if not flow_run_id:
+        return ""
+    ui = ui or os.environ.get("PREFECT_UI_URL") or os.environ.get("PREFECT_API_URL", "").removesuffix("/api")
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else ""
+
+
+class Tracker:
+    """Logs one stage execution to MLflow; see the module docstring for the run structure.
+
+    Every stage is logged the same way, from its :class:`hacrl.pipeline.result.StageResult`.
+    """
+
+    def __init__(self, cfg: Config, project_dir: str | os.PathLike = ".", commit: str | None = None,
+                 flow_run_id: str | None = None, uri: str | None = None, flow_run_url_: str | None = None) -> None:
+        """``commit``, ``flow_run_id``, ``uri``, ``flow_run_url_``: as they were when the stage ran
+        (a queued record is logged later, maybe after a commit or from another shell); default:
+        as they are now."""
+        from mlflow.tracking import MlflowClient
+
+        self.cfg = cfg
+        self.project = Path(project_dir).resolve()
+        self.uri = uri or tracking_uri(cfg, self.project)
+        self.client = MlflowClient(self.uri)
+        self.layout = RunLayout(self.project / cfg.experiment.runs_dir)
+        self.experiment_id = experiment_id(self.client, cfg, self.project)
+        self.commit = git_commit(self.project) if commit is None else commit
+        self.flow_run_id = os.environ.get(FLOW_RUN_ENV, "") if flow_run_id is None else flow_run_id
+        self.flow_run_url = flow_run_url(self.flow_run_id) if flow_run_url_ is None else flow_run_url_
+        self._hashes: dict[str, str] = {}
+        self._opened: set[str] = set()
+
+    # ------------------------------------------------------------------ runs
+    def _base_tags(self) -> dict[str, str]:
+        tags = {"hacrl.experiment": self.cfg.experiment.name, "hacrl.algorithm": self.cfg.algorithm.name,
+                "hacrl.git_commit": self.commit, "hacrl.config_digest": config_digest(self.cfg)}
+        if self.flow_run_id:
+            tags["hacrl.prefect_flow_run_id"] = self.flow_run_id
+        if self.flow_run_url:
+            tags["hacrl.prefect_flow_run_url"] = self.flow_run_url
+        return tags
+
+    def _pointer(self) -> Path:
+        return self.layout.runs / ".tracking" / "runs.json"
+
+    def _runs(self) -> dict:
+        ptr = self._pointer()
+        return read_json(ptr) if ptr.exists() else {}
+
+    def _alive(self, run_id: str | None) -> bool:
+        """Whether ``run_id`` is a run of this store not deleted in the UI. Any other failure (a
+        locked database) is raised: taking a live run for gone would orphan every run after it."""
+        from mlflow.exceptions import MlflowException
+
+        if not run_id:
+            return False
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage == "active"
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+
+    def _reopen(self, run_id: str | None) -> bool:
+        """Whether ``run_id`` is a live run of this store, made RUNNING if it was not. Memoised
+        for this tracker until it closes the run: a stage logs to the experiment's and each
+        agent's run many times, and each check is two store round trips."""
+        if run_id in self._opened:
+            return True
+        if not self._alive(run_id):
+            return False
+        if self.client.get_run(run_id).info.status != "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+        self._opened.add(run_id)
+        return True
+
+    def experiment_run(self, start_ms: int | None = None) -> str:
+        """The experiment's run, across iterations (resumed by id), created with the config as
+        params. A config that decides other results (:func:`config_digest`) gets a new run,
+        tagged with the one it supersedes; so do its agents' runs."""
+        doc = self._runs()
+        digest = config_digest(self.cfg)
+        if doc.get("digest") == digest and self._reopen(doc.get("experiment_run")):
+            return doc["experiment_run"]
+        tags = {**self._base_tags(), "mlflow.runName": self.cfg.experiment.name, "hacrl.kind": "experiment",
+                "hacrl.workspace": str(self.project)}
+        if doc.get("experiment_run"):
+            tags["hacrl.supersedes"] = doc["experiment_run"]
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        self._log_params(run_id, flatten(dataclasses.asdict(self.cfg)))
+        # the logged models stay: a checkpoint is the same model whichever run logged it
+        write_json(self._pointer(), {"experiment_id": self.experiment_id, "digest": digest,
+                                     "experiment_run": run_id, "agents": {}, "iterations": {},
+                                     "models": doc.get("models", {})})
+        return run_id
+
+    def agent_run(self, agent: str, start_ms: int | None = None) -> str:
+        """The run of ``agent`` across iterations: its figures at step t, one line per agent on
+        a chart of any of them. Top-level (not nested), so every chart shows it."""
+        exp = self.experiment_run(start_ms)
+        doc = self._runs()
+        run_id = doc["agents"].get(agent)
+        if self._reopen(run_id):
+            return run_id
+        ac = self.cfg.agent(agent)
+        tags = {**self._base_tags(), "mlflow.runName": agent, "hacrl.kind": "agent", "hacrl.agent": agent,
+                "hacrl.experiment_run": exp}
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        self._log_params(run_id, flatten(dataclasses.asdict(ac)))
+        doc["agents"][agent] = run_id
+        write_json(self._pointer(), doc)
+        return run_id
+
+    def iteration_run(self, t: int, start_ms: int | None = None) -> str:
+        """The run of iteration t, nested in the experiment's run: each stage's wall time, the
+        files the stages read (dataset inputs), the checkpoints in and out (logged models).
+
+        A failed iteration resumes in its run (the failures it had stay as tags: their count and
+        the last one); one whose stages run again after it finished (a forced rerun) gets a new
+        run, tagged with the one it supersedes."""
+        exp = self.experiment_run(start_ms)
+        doc = self._runs()
+        previous = doc["iterations"].get(str(t))
+        if self._alive(previous):
+            run = self.client.get_run(previous)
+            if run.info.status == "RUNNING":
+                return previous
+            if run.info.status == "FAILED":
+                tags = run.data.tags
+                self.client.set_tag(previous, "hacrl.failures", str(int(tags.get("hacrl.failures", "0")) + 1))
+                self.client.set_tag(previous, "hacrl.last_failure",
+                                    f"{tags.get('hacrl.failed_stage', '?')}: {tags.get('hacrl.error', '')}"[:5000])
+                for k in ("hacrl.failed_stage", "hacrl.error"):
+                    if k in tags:
+                        self.client.delete_tag(previous, k)
+                self.client.update_run(previous, status="RUNNING")
+                return previous
+        tags = {**self._base_tags(), "mlflow.runName": f"it{t}", "mlflow.parentRunId": exp,
+                "hacrl.kind": "iteration", "hacrl.iteration": str(t)}
+        if previous:
+            tags["hacrl.supersedes"] = previous
+        run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        doc["iterations"][str(t)] = run_id
+        write_json(self._pointer(), doc)
+        return run_id
+
+    def _log_params(self, run_id: str, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def _metrics(self, run_id: str, values: dict[str, float], step: int, when_ms: int | None = None,
+                 model_id: str | None = None, dataset: tuple[str, str] | None = None) -> None:
+        import math
+        import time
+
+        from mlflow.entities import Metric
+
+        now = when_ms or int(time.time() * 1000)
+        name, digest = dataset or (None, None)
+        ms = [Metric(sanitize(k), float(v), now, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+              for k, v in values.items() if math.isfinite(float(v))]
+        for i in range(0, len(ms), 500):
+            self.client.log_batch(run_id, metrics=ms[i:i + 500])
+
+    def _hash(self, path: Path) -> str:
+        key = str(path.resolve())
+        if key not in self._hashes:
+            self._hashes[key] = dvc_hash(path)
+        return self._hashes[key]
+
+    def _dataset(self, inp: Input):
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+
+        path = self.project / inp.path
+        return MetaDataset(LocalArtifactDatasetSource(str(path.resolve())), name=inp.name, digest=self._hash(path))
+
+    def _inputs(self, run_id: str, inputs: list[Input]) -> None:
+        from mlflow.entities import DatasetInput, InputTag
+
+        ds = [DatasetInput(self._dataset(i)._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", i.context)])
+              for i in inputs if (self.project / i.path).exists()]
+        if ds:
+            self.client.log_inputs(run_id, datasets=ds)
+
+    # ------------------------------------------------------------------ stages
+    def log_stage(self, stage: str, t: int, result: Any, wall_s: float, error: str | None = None,
+                  start_ms: int | None = None, end_ms: int | None = None) -> str:
+        """Record one execution of ``stage`` for iteration ``t``; return the iteration's run id.
+
+        ``result``: the stage's :class:`~hacrl.pipeline.result.StageResult` (a plain mapping is
+        logged as a result without tracked figures); ``error``: ``"Type: message"`` of a failed
+        stage; ``start_ms``/``end_ms``: the stage's own wall-clock times, default now.
+        """
+        res = result if isinstance(result, StageResult) else StageResult(result if isinstance(result, dict) else {})
+        if stage == "report":  # the experiment's own: its curves and tables
+            run_id = self.experiment_run(start_ms)
+            self._metrics(run_id, {"wall_s/report": wall_s}, self.cfg.experiment.iterations, end_ms)
+            self._fail_or_finish(run_id, stage, error, end_ms, close=error is None)
+            if error is None:
+                for f in res.artifacts:
+                    rel = Path(f).parent.relative_to(self.cfg.experiment.reports_dir) \
+                        if Path(f).is_relative_to(self.cfg.experiment.reports_dir) else Path()
+                    self.client.log_artifact(run_id, str(self.project / f), str(Path("reports") / rel))
+            return run_id
+        it_run = self.iteration_run(t, start_ms)
+        if self.flow_run_id:  # the flow run that ran this stage (a resumed iteration: the latest)
+            self.client.set_tag(it_run, "hacrl.prefect_flow_run_id", self.flow_run_id)
+            if self.flow_run_url:
+                self.client.set_tag(it_run, "hacrl.prefect_flow_run_url", self.flow_run_url)
+        self._metrics(it_run, {f"wall_s/{stage}": wall_s}, t, end_ms)
+        if error is not None:
+            self._fail_or_finish(it_run, stage, error, end_ms)
+            return it_run
+        self._metrics(it_run, {f"{stage}/{k}": v for k, v in res.metrics.items()}, t, end_ms)
+        self._inputs(it_run, res.inputs)
+        self._log_checkpoints(it_run, t, res.checkpoints, stage)
+        dataset = None
+        if res.dataset is not None and res.evaluated:
+            self._inputs(it_run, [res.dataset])
+            dataset = (res.dataset.name, self._hash(self.project / res.dataset.path))
+        evaluated = {a: self._model_of(a, t, Path(p)) for a, p in res.evaluated.items()}
+        if any(evaluated.values()):
+            from mlflow.entities import LoggedModelInput
+
+            self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in evaluated.values() if m])
+        for agent, values in res.agents.items():
+            self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent))
+        for agent, values in res.evaluation.items():  # measured on the dataset: linked to it too
+            self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent),
+                          dataset=dataset if evaluated.get(agent) else None)
+        for agent, ser in res.series.items():
+            run = self.agent_run(agent, start_ms)
+            for m in range(max(map(len, ser.values.values()), default=0)):
+                self._metrics(run, {k: v[m] for k, v in ser.values.items() if m < len(v) and v[m] is not None},
+                              ser.first_step + m, end_ms)
+        if stage == "evaluate":  # the iteration is complete: its run and the long-lived ones pause
+            self._fail_or_finish(it_run, stage, None, end_ms, close=True)
+        return it_run
+
+    def _fail_or_finish(self, run_id: str, stage: str, error: str | None, end_ms: int | None,
+                        close: bool = False) -> None:
+        """A failed stage fails its run (stage and reason as tags); a completed iteration (or
+        report) finishes its run, the experiment's and the agents' (they reopen with the next
+        stage that logs)."""
+        if error is not None:
+            self.client.set_tag(run_id, "hacrl.failed_stage", stage)
+            self.client.set_tag(run_id, "hacrl.error", str(error)[:5000])
+            self.client.set_terminated(run_id, "FAILED", end_time=end_ms)
+            self._opened.discard(run_id)
+            return
+        if close:
+            doc = self._runs()
+            for rid in {run_id, doc.get("experiment_run"), *doc.get("agents", {}).values()}:
+                if self._alive(rid):
+                    self.client.set_terminated(rid, "FINISHED", end_time=end_ms)
+                self._opened.discard(rid)
+
+    # ------------------------------------------------------------------ logged models
+    def model_name(self, agent: str) -> str:
+        """The registered model of ``agent``'s checkpoints: ``{experiment}.{agent}``."""
+        return f"{self.cfg.experiment.name}.{agent}"
+
+    def _model_of(self, agent: str, t: int, ckpt: Path) -> str | None:
+        """The logged model of ``agent``'s checkpoint of iteration t whose DVC hash is on disk."""
+        path = self.project / ckpt
+        if not path.is_dir():
+            return None
+        h = self._hash(path)
+        found = self.client.search_logged_models(
+            [self.experiment_id], filter_string=f"name = '{sanitize(agent)}-it{int(t)}'", max_results=50)
+        ids = [m.model_id for m in found if m.tags.get("hacrl.dvc_hash") == h]
+        return ids[0] if ids else None
+
+    def _log_checkpoints(self, it_run: str, t: int, checkpoints: dict[str, str], stage: str) -> None:
+        """Each checkpoint written as an external MLflow logged model (the weights stay in the
+        DVC workspace), an output of the iteration's run; the checkpoints it started from, its
+        inputs; registered (``tracking.register_models``) as a version with alias ``itT``."""
+        import tempfile
+
+        from mlflow.entities import LoggedModelInput, LoggedModelOutput, LoggedModelStatus
+        from mlflow.models.utils import get_external_mlflow_model_spec
+        from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+        if not checkpoints:
+            return
+        parents = [m for a in checkpoints if t > 0 for m in [self._model_of(a, t - 1, self.layout.checkpoint(t - 1, a))]
+                   if m]
+        if parents:
+            self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in parents])
+        params = flatten(dataclasses.asdict(self.cfg))
+        outs = []
+        for agent, ckpt in checkpoints.items():
+            path = self.project / ckpt
+            if not path.is_dir():
+                continue
+            same = self._model_of(agent, t, path)
+            if same is not None:  # a rerun wrote the identical checkpoint: the same model
+                outs.append(LoggedModelOutput(same, t))
+                doc = self._runs()
+                doc.setdefault("models", {})[f"{agent}@it{t}"] = same
+                write_json(self._pointer(), doc)
+                continue
+            rel = path.relative_to(self.project).as_posix()
+            tags = {MLFLOW_MODEL_IS_EXTERNAL: "true", "hacrl.agent": agent, "hacrl.iteration": str(t),
+                    "hacrl.checkpoint": rel, "hacrl.checkpoint_uri": path.as_uri(), "hacrl.dvc_hash": self._hash(path),
+                    "hacrl.dvc_out": rel.rsplit("/", 1)[0], "hacrl.stage": f"{stage}@it{t}",
+                    **{k: v for k, v in self._base_tags().items() if k != "hacrl.experiment"}}
+            model = self.client.create_logged_model(self.experiment_id, name=f"{sanitize(agent)}-it{t}",
+                                                    source_run_id=it_run, tags=tags, model_type="hacrl-agent")
+            self.client.log_model_params(model.model_id, params)
+            with tempfile.TemporaryDirectory() as tmp:  # an MLmodel file saying the weights live elsewhere
+                get_external_mlflow_model_spec(model).save(os.path.join(tmp, "MLmodel"))
+                self.client.log_model_artifacts(model.model_id, tmp)
+            self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+            outs.append(LoggedModelOutput(model.model_id, t))
+            self._register(agent, t, model)
+            doc = self._runs()
+            doc.setdefault("models", {})[f"{agent}@it{t}"] = model.model_id
+            write_json(self._pointer(), doc)
+        if outs:
+            self.client.log_outputs(it_run, outs)
+
+    def _register(self, agent: str, t: int, model) -> None:
+        from mlflow.exceptions import MlflowException
+
+        if not self.cfg.tracking.register_models:
+            return
+        name = self.model_name(agent)
+        try:
+            self.client.create_registered_model(name, tags={"hacrl.agent": agent},
+                                                description=f"{agent}'s checkpoints, one version per iteration "
+                                                            f"(alias itT), weights in the DVC workspace")
+        except MlflowException:
+            pass  # exists already
+        from mlflow.tracking._tracking_service import utils as mlflow_uri
+
+        # a ``models:/<id>`` source links the version to the logged model; MLflow resolves it with
+        # the global tracking URI, so that is this store's for the call. Setting it also writes
+        # $MLFLOW_TRACKING_URI, which is put back as it was afterwards.
+        env_before = os.environ.get("MLFLOW_TRACKING_URI")
+        try:
+            with mlflow_uri._use_tracking_uri(self.uri):
+                mv = self.client.create_model_version(
+                    name, source=f"models:/{model.model_id}", run_id=model.source_run_id,
+                    tags={k.removeprefix("hacrl."): v for k, v in model.tags.items() if k.startswith("hacrl.")},
+                    description=f"{agent} after iteration {t}", model_id=model.model_id)
+        finally:
+            if env_before is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = env_before
+        self.client.set_registered_model_alias(name, f"it{t}", mv.version)
+        self.client.set_logged_model_tags(model.model_id, {"hacrl.model_version": f"{name}/{mv.version}"})
+
+
+def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
+              error: BaseException | None = None, project_dir: str | os.PathLike = ".",
+              started: float | None = None) -> None:
+    """Log a stage execution; a tracking failure is a warning, never a failed stage.
+
+    With ``tracking.asynchronous`` (the default) the record is queued and a background process
+    logs it (:mod:`hacrl.ops.track_queue`); otherwise it is logged before this returns.
+    """
+    if not cfg.tracking.enabled:
+        return
+    import time
+
+    foreign = foreign_store(cfg, Path(project_dir))
+    if foreign:
+        log.warning("%s", foreign)
+        return
+    ended = time.time()
+    started = ended - wall_s if started is None else started
+    try:
+        if cfg.tracking.asynchronous:
+            from hacrl.ops import track_queue
+
+            track_queue.enqueue(cfg, Path(project_dir), stage, t, result, wall_s, error, started, ended)
+            track_queue.start_flusher(cfg, Path(project_dir))
+            return
+        Tracker(cfg, project_dir).log_stage(stage, t, result, wall_s,
+                                            f"{type(error).__name__}: {error}" if error is not None else None,
+                                            start_ms=int(started * 1000), end_ms=int(ended * 1000))
+    except Exception as e:  # lineage must not cost a finished stage its result
+        log.warning("MLflow tracking failed for %s@it%d: %s: %s", stage, t, type(e).__name__, e)

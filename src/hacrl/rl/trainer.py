@@ -1,0 +1,268 @@
+"""Policy updates: a DeepSpeed engine (CPU accelerator, gloo, world size 1 here; GPUs and more
+ranks through the DeepSpeed launcher elsewhere) around a client ``torch.optim.AdamW``.
+
+The HF checkpoint (weights) and the recovery state (optimizer, RNG, update counter) are kept
+apart: a ZeRO state saved at one world size does not load at another (measured here),
+while the HF export always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hacrl.config.schema import TrainerConfig
+from hacrl.errors import NonFiniteLossError, UnsafeStateError
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed for a single local rank (gloo on 127.0.0.1) if needed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    init_method = None
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        # the ranks of a multi-process update meet through a file (no store listening on a
+        # port) and gloo talks over the loopback interface only
+        init_method = os.environ.get("HACRL_DIST_INIT")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # unused by the file rendezvous, but DeepSpeed turns to MPI discovery (and fails: no
+        # mpi4py) when they are missing, as they are in a fresh `hacrl stage` process
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    else:
+        # a single local rank: always a fresh port on 127.0.0.1. A MASTER_PORT inherited from a
+        # parent that ran an update itself (a service started from it, say) may still be taken.
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (35-45 s of C++,
+        # redone whenever its build flags differ between processes): one rank never reduces,
+        # and gloo reduces the ranks of a multi-process update
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    kw = {}
+    if init_method:
+        kw = dict(init_method=init_method, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               verbose=False, **kw)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process (0, 1 outside a multi-process update)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class TrainState:
+    """Counters of the recovery state (optimizer and RNG states travel in the same checkpoint)."""
+
+    updates: int = 0
+
+
+def _state_globals() -> list:
+    """What a recovery state may hold besides tensors and containers: numpy's RNG state array,
+    and the three plain data classes DeepSpeed's ZeRO 1-2 optimizer files hold (a loss-scaler
+    record, a fragment address, the ZeRO stage enum; none defines ``__setstate__`` or
+    ``__reduce__``, so unpickling them only sets attributes)."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed += [LossScaler, ZeroStageEnum, fragment_address]
+    except ImportError:  # the torch backend's states hold none of them
+        pass
+    return allowed
+
+
+def check_state_file(path: Path) -> None:
+    """Refuse a recovery-state file that could run code when unpickled.
+
+    The file is read first by torch's weights-only unpickler, which builds tensors, numbers,
+    strings, containers and (allowed here) numpy arrays, and nothing else: a planted pickle that
+    calls ``os.system`` fails there, before any code of it runs. DeepSpeed (which unpickles its
+    checkpoints with ``weights_only=False``) then loads the same bytes, which can only rebuild
+    those types. Raises :class:`UnsafeStateError` naming the file.
+    """
+    try:
+        with torch.serialization.safe_globals(_state_globals()):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal: say which file and why, one line
+        why = str(e).splitlines()
+        hint = next((ln.strip() for ln in why if "GLOBAL" in ln or "Unsupported" in ln), why[0] if why else "")
+        raise UnsafeStateError(f"{path}: refusing to load this recovery state: it is not only tensors, numbers "
+                               f"and arrays ({type(e).__name__}: {hint[:200]}); was it replaced? Delete "
+                               f"{path.parent} and re-run the stage that wrote it") from None
+
+
+def capture_rng() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def seed_rng(seed: int) -> None:
+    """Seed torch, numpy and Python's global generators (numpy's and Python's start from OS
+    entropy otherwise, so a saved RNG state would differ from run to run)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def restore_rng(rng: dict) -> None:
+    if not rng:
+        return
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def _grad_norm(module) -> float:
+    sq = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+WORLD_FILE = "world.json"
+
+
+class PolicyOptimizer:
+    """One learner's model + optimizer behind DeepSpeed (or plain torch)."""
+
+    def __init__(self, model, cfg: TrainerConfig, samples_per_update: int):
+        self.cfg = cfg
+        self.base_lr = cfg.lr
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                      weight_decay=cfg.weight_decay)
+        if cfg.backend == "deepspeed":
+            import deepspeed
+
+            init_distributed()
+            ds_config = {
+                "train_micro_batch_size_per_gpu": max(1, samples_per_update),
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": cfg.grad_clip,
+                "zero_optimization": {"stage": cfg.zero_stage},
+                "bf16": {"enabled": cfg.dtype == "bf16"},
+                "steps_per_print": 10**9,
+                "wall_clock_breakdown": False,
+            }
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=ds_config)
+            self.module = self.engine.module
+        else:
+            self.engine = None
+            self.optimizer = optimizer
+            self.module = model
+        self.state = TrainState()
+
+    @property
+    def model(self):
+        """The callable used for the forward pass (the engine when there is one)."""
+        return self.engine if self.engine is not None else self.module
+
+    def step(self, loss: torch.Tensor) -> float:
+        """Backward + clipped optimizer step with the ramped learning rate; returns grad norm."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"non-finite loss {loss.item()} at update {self.state.updates}")
+        lr = self.base_lr * min(1.0, (self.state.updates + 1) / max(1, self.cfg.lr_warmup_updates))
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.engine is not None:
+            self.engine.backward(loss)
+            own = _grad_norm(self.module)  # ZeRO-0 keeps no norm of its own; read it before step
+            self.engine.step()
+            gn = self.engine.get_global_grad_norm()
+            gn = float(gn) if gn is not None else own
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+            self.optimizer.step()
+        if not np.isfinite(gn):
+            raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
+        self.state.updates += 1
+        return gn
+
+    def save_state(self, out_dir: Path) -> None:
+        """Recovery state (optimizer + RNG + counter) into ``out_dir`` (a fresh directory)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        client = {"updates": self.state.updates, "rng": capture_rng()}
+        # a ZeRO 1-2 state is partitioned by rank: say at which world size it was saved, so a
+        # resume at another one knows what it cannot load (see load_state)
+        import json
+
+        rank, ws = world()
+        if rank == 0:
+            (out_dir / WORLD_FILE).write_text(json.dumps({"world_size": ws, "updates": self.state.updates,
+                                                          "zero_stage": self.cfg.zero_stage}))
+        if self.engine is not None:
+            # only optimizer + client state matter; weights travel in the HF checkpoint
+            self.engine.save_checkpoint(str(out_dir), tag="state", client_state=client,
+                                        save_latest=False)
+        else:
+            torch.save({"optimizer": self.optimizer.state_dict(), **client}, out_dir / "state.pt")
+
+    def load_state(self, state_dir: Path) -> None:
+        """Restore the optimizer/RNG state if ``state_dir`` holds one (iteration 0 holds none).
+
+        A state saved at another world size (ZeRO partitions it by rank, and DeepSpeed refuses
+        to load it), or with ZeRO off where it is now on or the reverse (the files differ),
+        restores the update counter only: the weights come from the HF checkpoint as always,
+        Adam's moments restart from zero, and the RNG keeps the step's seed."""
+        import json
+
+        _, ws = world()
+        saved = json.loads((state_dir / WORLD_FILE).read_text()) if (state_dir / WORLD_FILE).exists() else None
+        saved_ws = saved["world_size"] if saved else 1
+        if saved and "zero_stage" in saved:
+            saved_zero = int(saved["zero_stage"])
+        else:  # a state from before the stage was recorded: ZeRO 1-2 leave partitioned optimizer files
+            saved_zero = 1 if any((state_dir / "state").glob("zero_pp_rank_*")) else 0
+        zero_moved = (saved_zero > 0) != (self.cfg.zero_stage > 0)  # ZeRO 1 and 2 share one format
+        if (state_dir / "state").is_dir() and ((saved_ws != ws and self.cfg.zero_stage > 0) or zero_moved):
+            counter = saved["updates"] if saved else 0
+            log.warning("recovery state in %s was saved at world size %d with ZeRO %d, this update runs at "
+                        "%d with ZeRO %d: the optimizer state does not load across these; Adam's moments "
+                        "restart from zero (weights: the HF checkpoint; update counter: %d, kept)",
+                        state_dir, saved_ws, saved_zero, ws, self.cfg.zero_stage, counter)
+            self.state.updates = int(counter)
+            return
+        for f in sorted(state_dir.rglob("*.pt")):  # before anything unpickles them
+            check_state_file(f)
+        if (state_dir / "state").is_dir() and self.engine is not None:
+            _, client = self.engine.load_checkpoint(str(state_dir), tag="state",
+                                                    load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        elif (state_dir / "state.pt").exists() and self.engine is None:
+            with torch.serialization.safe_globals(_state_globals()):
+                client = torch.load(state_dir / "state.pt", map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(client["optimizer"])
+        else:
+            return
+        self.state.updates = int(client.get("updates", 0))
+        restore_rng(client.get("rng", {}))

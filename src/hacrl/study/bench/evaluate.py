@@ -1,0 +1,63 @@
+"""``evaluate``: the evaluate stage against a bare batched greedy ``generate``.
+
+Both load every agent's checkpoint and generate greedily for the held-out prompts in the
+stage's batch size; the stage also checks each answer with math-verify and writes the metrics
+and history. Units: held-out answers (agents x problems).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hacrl.study.bench.core import Contender, Goal, SuiteResult, compare
+from hacrl.study.bench.workspace import workspace
+
+log = logging.getLogger(__name__)
+DEFAULT_REPS = 3
+
+
+def bare_greedy(cfg, t: int = 0) -> int:
+    """Load, render, left-pad, ``generate(do_sample=False)`` in batches; decode the answers."""
+    import torch
+
+    from hacrl.agents.pool import load_agent
+    from hacrl.pipeline.stages import _split
+    from hacrl.storage import RunLayout
+
+    held = _split(cfg, "heldout")
+    n = 0
+    for ac in cfg.agents:
+        agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(t, ac.name), cfg.trainer.dtype)
+        tok, model = agent.tokenizer, agent.model
+        enc = [tok(agent.render(p["problem"]), add_special_tokens=False)["input_ids"] for p in held]
+        order = sorted(range(len(enc)), key=lambda i: len(enc[i]))  # as the engine batches them
+        with torch.no_grad():
+            for b0 in range(0, len(order), cfg.eval.batch_size):
+                batch = [enc[i] for i in order[b0:b0 + cfg.eval.batch_size]]
+                L = max(map(len, batch))
+                ids = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in batch])
+                attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+                out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=cfg.eval.max_new_tokens,
+                                     do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                tok.batch_decode(out[:, L:], skip_special_tokens=True)
+                n += len(batch)
+    return n
+
+
+def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
+    from hacrl.pipeline import stages
+
+    with workspace(size, work_dir) as cfg:
+        def stage() -> dict:
+            m = stages.evaluate(cfg, 0)
+            return {"units": sum(a["eval_n"] for a in m["agents"].values()),
+                    "accuracy": {k: round(a["eval_accuracy"], 4) for k, a in m["agents"].items()}}
+
+        measured = compare([Contender("stage", stage, "evaluate: greedy generate + math-verify + metrics"),
+                            Contender("bare_generate", lambda: bare_greedy(cfg, 0),
+                                      "transformers greedy generate, same batches, no checking")], reps)
+        work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(stages._split(cfg, "heldout")),
+                "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
+                "verifier_workers": cfg.reward.workers}
+    return SuiteResult("evaluate", "answers", work, measured, [Goal("stage", "bare_generate", 0.9)])
