@@ -116,7 +116,8 @@ def test_recomposing_keeps_an_experiment_the_flow_extended(tmp_path):
 
 
 def test_one_agents_setting_by_name_or_position():
-    from hacrl.config.schema import ConfigError, compose
+    from hacrl.errors import ConfigError
+    from hacrl.config.schema import compose
 
     base = {a["name"]: a for a in compose([])["agents"]}
     by_name = {a["name"]: a for a in compose(["agents.gpt2-weak.warmup.lr=1e-3"])["agents"]}

@@ -3,8 +3,9 @@ from fractions import Fraction
 
 import pytest
 
+from hacrl.errors import DataError
 from hacrl.task import data
-from hacrl.task.data import DataError, load_problems
+from hacrl.task.data import load_problems
 
 
 LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
@@ -37,7 +38,7 @@ def test_splits_are_disjoint_whatever_the_seed():
 
 
 def test_too_small_a_space_is_a_clear_error():
-    with pytest.raises(data.DataError, match="fewer than"):
+    with pytest.raises(DataError, match="fewer than"):
         data.generate_split("heldout", 5000, {"frac": 1}, 99, 0.2, 0)
 
 
@@ -70,7 +71,7 @@ def test_loader_reads_jsonl_and_parquet(tmp_path):
 def test_malformed_row_fails_with_file_and_line_or_is_skipped(tmp_path, bad_line, why):
     f = tmp_path / "train.jsonl"
     f.write_text('{"problem": "1+1?", "answer": "2"}\n' + bad_line + "\n")
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(DataError) as e:
         data.load_problems(f)
     assert f"{f}:2:" in str(e.value) and why in str(e.value)
     got, skipped = data.load_problems(f, on_bad_row="skip")
@@ -78,7 +79,7 @@ def test_malformed_row_fails_with_file_and_line_or_is_skipped(tmp_path, bad_line
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(data.DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist"):
         data.load_problems(tmp_path / "nope.jsonl")
 
 
@@ -104,7 +105,7 @@ def test_worked_solutions_are_correct_arithmetic_ending_in_the_answer(level):
 def test_worked_solutions_need_the_procedural_task():
     from hacrl.config import schema as config
 
-    with pytest.raises(data.DataError, match="no worked solution for level 'all'"):
+    with pytest.raises(DataError, match="no worked solution for level 'all'"):
         data.worked_solution({"id": "x", "problem": "What is 2+2?", "answer": "4", "level": "all"})
     d = config.compose(["data=arith_worked"])
     assert d["data"]["completion"] == "worked"

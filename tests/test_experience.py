@@ -13,9 +13,9 @@ from conftest import SMOKE
 
 from hacrl.config import schema as config
 from hacrl.config.schema import StreamConfig
-from hacrl.exchange.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, pooled_reward_stats, publish, read_records,
-                              select, write_records)
-
+from hacrl.exchange.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, publish, read_records,
+                                       select, write_records)
+from hacrl.groups import pooled_reward_stats
 
 def rollout_df(producer: str, prompts=("p1", "p2"), g: int = 3) -> pd.DataFrame:
     rows = []

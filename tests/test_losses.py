@@ -116,7 +116,7 @@ def test_a_name_registers_once_and_options_are_typed():
     from dataclasses import dataclass
 
     from hacrl.rl.algorithms import LOSSES, build_options, register_advantage, register_loss
-    from hacrl.config.schema import ConfigError
+    from hacrl.errors import ConfigError
 
     with pytest.raises(ValueError, match="registered twice"):
         register_advantage("grpo", GroupAdvantageOptions)(lambda inp, opts: inp.rewards)

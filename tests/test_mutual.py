@@ -7,7 +7,7 @@ import torch
 
 from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, GroupAdvantageOptions, LossInputs, PrpOptions,
                               SgtOptions, sgt_choose, sgt_gate, sgt_rows)
-from hacrl.config.schema import ConfigError
+from hacrl.errors import ConfigError
 
 
 def loss_inputs(logp, old, mask, adv, is_self, behavior=None, rewards=None, groups=None, verified=None, key=None):

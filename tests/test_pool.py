@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from conftest import make_agent
-from hacrl.config.schema import ConfigError
+from hacrl.errors import ConfigError
 from hacrl.agents.pool import load_agent, save_agent
 
 KINDS = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram"]

@@ -196,7 +196,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from hacrl.study.bench import SUITES
     from hacrl.study.bench.runner import SIZES, run_suite
-    from hacrl.config.schema import ConfigError
+    from hacrl.errors import ConfigError
 
     if args.suite != "all" and args.suite not in SUITES:
         raise ConfigError(f"bench: unknown suite {args.suite!r} (choose from all, {', '.join(SUITES)})")
@@ -363,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.log_level.upper())
 
-    from hacrl.config.schema import ConfigError
-    from hacrl.task.data import DataError
-    from hacrl.errors import NonFiniteLossError, UnsafeStateError
+    from hacrl.errors import ConfigError, DataError, NonFiniteLossError, UnsafeStateError
 
     try:
         return args.fn(args)

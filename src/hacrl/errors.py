@@ -1,4 +1,16 @@
-"""Errors that the CLI turns into one-line messages (kept import-light: no torch here)."""
+"""Errors that the CLI turns into one-line messages (kept import-light: no torch here).
+
+The ground of the package: every layer raises these, the CLI and the orchestration catch them,
+so they live below all of them.
+"""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line naming key and value."""
+
+
+class DataError(ValueError):
+    """A malformed dataset row or artifact; the message names the file (and line)."""
 
 
 class NonFiniteLossError(RuntimeError):

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hacrl.config.schema import AgentConfig, ConfigError, TokenizerConfig
+from hacrl.errors import ConfigError
+from hacrl.config.schema import AgentConfig, TokenizerConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from hacrl.errors import ConfigError
+
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 KNOWN_ARCHS = ("gpt2", "llama", "qwen2")
 KNOWN_TOKENIZERS = ("bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram")
@@ -26,10 +28,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 GENERATED_KEYS = ("iterations", "agent_names", "external_inputs")
 """Keys of params.yaml derived from the config for dvc.yaml's templating (foreach, plots)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message is one line naming key and value."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hacrl.task.data import DataError
+from hacrl.errors import DataError
 from hacrl.storage import atomic_path
 
 SCHEMA_VERSION = 2
@@ -212,7 +212,7 @@ def publish(rollouts: pd.DataFrame, verdicts: pd.DataFrame) -> dict[str, pd.Data
     """
     import torch
 
-    from hacrl.rl.algorithms import group_normalized_advantage
+    from hacrl.groups import group_normalized_advantage
 
     df = rollouts.merge(verdicts[["record_id", "reward", "verdict"]], on="record_id", how="inner",
                         validate="one_to_one")
@@ -382,17 +382,3 @@ def subscribe(published: dict[str, dict[str, pd.DataFrame]], learner: LearnerVie
     if frames:
         out.rows = pd.concat(frames, ignore_index=True)[SCHEMAS["learner_input"].names]
     return out
-
-
-def pooled_reward_stats(stats: pd.DataFrame) -> pd.DataFrame:
-    """Combine ``reward_stats`` of several producers per prompt: n, mean and unbiased std of the
-    pooled rewards (exact: from each producer's n, mean and std)."""
-    if stats.empty:
-        return pd.DataFrame(columns=["prompt_id", "n", "mean", "std"])
-    s = stats.assign(total=stats["n"] * stats["mean"],
-                     sumsq=(stats["n"] - 1).clip(lower=0) * stats["std"] ** 2 + stats["n"] * stats["mean"] ** 2)
-    g = s.groupby("prompt_id", sort=False)[["n", "total", "sumsq"]].sum().reset_index()
-    g["mean"] = g["total"] / g["n"]
-    var = (g["sumsq"] - g["n"] * g["mean"] ** 2) / (g["n"] - 1).clip(lower=1)
-    g["std"] = [math.sqrt(max(v, 0.0)) if n > 1 else 0.0 for v, n in zip(var, g["n"])]
-    return g[["prompt_id", "n", "mean", "std"]]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from hacrl.task.data import DataError
+from hacrl.errors import DataError
 from hacrl.ops.orchestration import ITERATION_STAGES
 
 
@@ -191,7 +191,8 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     hash of the input (a file's md5, a directory's DVC tree hash), so that the stages reading it
     (prepare-data, prepare-pool) are stale exactly when its content changed. The placeholder
     entry (nothing external) gets a constant stamp."""
-    from hacrl.config.schema import ConfigError, read_yaml
+    from hacrl.errors import ConfigError
+    from hacrl.config.schema import read_yaml
     from hacrl.storage import atomic_write_text
     from hacrl.ops.tracking import dvc_hash
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from hacrl.config.schema import ConfigError, compose, from_dict, iteration_table, keep_extension, read_yaml, write_params
+from hacrl.errors import ConfigError
+from hacrl.config.schema import compose, from_dict, iteration_table, keep_extension, read_yaml, write_params
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hacrl.config.schema import ConfigError
+from hacrl.errors import ConfigError
+from hacrl.groups import group_index, group_normalized_advantage, group_std
 from hacrl.lazy import lazy_module
 
 if TYPE_CHECKING:
@@ -232,18 +233,6 @@ class LossInputs:
 
 # ----------------------------------------------------------------------------- GRPO / GSPO
 
-def group_normalized_advantage(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` (unbiased std); a group whose
-    rewards are all equal gets 0. ``rewards`` (N,) float, ``group_ids`` (N,) long."""
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
-    for g in torch.unique(group_ids):
-        m = group_ids == g
-        r = rewards[m].float()
-        std = r.std(unbiased=True) if r.numel() > 1 else torch.tensor(0.0)
-        adv[m] = (r - r.mean()) / (std + eps)
-    return adv
-
-
 @dataclass(frozen=True)
 class GroupAdvantageOptions:
     name: str = "grpo"
@@ -375,11 +364,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, shard:
 
 # ----------------------------------------------------------------------------- HACPO
 
-def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    return inv, (int(inv.max()) + 1 if inv.numel() else 0)
-
-
 def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_ids: torch.Tensor,
                         learner: int, omega: torch.Tensor, use_capability: bool = True,
                         guards: bool = True) -> torch.Tensor:
@@ -394,7 +378,7 @@ def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_i
     """
     r = rewards.float()
     w = 1.0 / omega[source_ids, learner].float() if use_capability else torch.ones_like(r)
-    inv, n = _group_index(group_ids)
+    inv, n = group_index(group_ids)
 
     def gsum(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float32).index_add_(0, inv, x.float())
@@ -411,16 +395,6 @@ def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_i
         b = torch.where(b > 1, own_mean, b)
         b = torch.where(rmax == rmin, plain, b)
     return b[inv]
-
-
-def group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Unbiased standard deviation of each sample's group (0 for a group of one), per sample."""
-    inv, n = _group_index(group_ids)
-    x = x.float()
-    cnt = torch.zeros(n).index_add_(0, inv, torch.ones_like(x))
-    mean = torch.zeros(n).index_add_(0, inv, x) / cnt
-    ss = torch.zeros(n).index_add_(0, inv, (x - mean[inv]) ** 2)
-    return torch.where(cnt > 1, (ss / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros(n))[inv]
 
 
 @dataclass(frozen=True)
@@ -662,7 +636,7 @@ def sgt_gate(rewards: torch.Tensor, group_ids: torch.Tensor, is_self: torch.Tens
     samples of it and none is a verified success, and some peer row of it is a verified success
     with a positive reward; the candidates are those peer rows. A wrong or unverified peer
     response is never a candidate."""
-    inv, n = _group_index(group_ids)
+    inv, n = group_index(group_ids)
     own = is_self.bool()
     ok = verified.bool() & (rewards.float() > 0)
     own_any = torch.zeros(n, dtype=torch.bool).index_put_((inv[own],), torch.tensor(True), accumulate=False)

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+from hacrl.errors import DataError
+
 log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """A malformed dataset row; the message names the file and line."""
 
 
 Problem = dict
