@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl.config import schema as config_mod
+from hacrl.config.schema import Config
+from hacrl.pipeline import params
 from hacrl.ops.orchestration import ITERATION_STAGES, stage_id, stale_stages
 from hacrl.pipeline.stages import STAGES
 from hacrl.storage import RunLayout
@@ -39,7 +40,7 @@ def _env() -> dict[str, str]:
     return client_env(PROJECT)
 
 
-def direct(cfg: config_mod.Config, t: int) -> dict[str, float]:
+def direct(cfg: Config, t: int) -> dict[str, float]:
     """The six stage functions for iteration t on a temporary copy of iteration t-1's state."""
     lay = RunLayout(cfg.experiment.runs_dir)
     tmp = Path(tempfile.mkdtemp(prefix="hacrl-direct-"))
@@ -72,12 +73,12 @@ def set_tracking(enabled: bool) -> None:
     p = PROJECT / "params.yaml"
     data = yaml.safe_load(p.read_text())
     data["tracking"]["enabled"] = enabled
-    config_mod.write_params(data, p)
+    params.write_params(data, p)
 
 
 def main() -> int:
     os.chdir(PROJECT)
-    cfg = config_mod.load(PROJECT / "params.yaml")
+    cfg = params.load(PROJECT / "params.yaml")
     stale = stale_stages(PROJECT)
     if stale:
         print(f"the experiment is not complete ({sorted(stale)[:3]}...): run `make run` first", file=sys.stderr)
@@ -91,7 +92,7 @@ def main() -> int:
         serve(PROJECT, 0, 0)
         started = True
     try:
-        d = direct(config_mod.load(PROJECT / "params.yaml"), t)
+        d = direct(params.load(PROJECT / "params.yaml"), t)
         # force: DVC would otherwise restore iteration t's outputs from an identical earlier run
         # (its run cache, or dvc.lock entries of a longer experiment) instead of running the stages
         t0 = time.time()
@@ -136,7 +137,7 @@ def main() -> int:
     return 0
 
 
-def _mlflow_stage_seconds(cfg: config_mod.Config, t: int) -> dict[str, float]:
+def _mlflow_stage_seconds(cfg: Config, t: int) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
 
     from hacrl.ops.tracking import tracking_uri

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.storage import RunLayout
 
@@ -38,10 +38,10 @@ BASE = ["agents=smollm2_mix", "experiment=smollm2", "tracking.enabled=false", "e
 
 
 def _cfg(work: Path, *overrides: str):
-    d = config_mod.compose(BASE + list(overrides))
+    d = params.compose(BASE + list(overrides))
     d["experiment"]["runs_dir"] = str(work / "runs")
     d["experiment"]["reports_dir"] = str(work / "reports")
-    return config_mod.from_dict(d)
+    return params.from_dict(d)
 
 
 def _timed(timings: dict, name: str, fn, *args):

@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
     from hacrl.exchange.experience import pair_residuals, read_records
     from hacrl.agents.pool import load_tokenizer
     from hacrl.storage import RunLayout
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--params", default="params.yaml")
     args = ap.parse_args(argv)
-    cfg = config.load(args.params)
+    cfg = params.load(args.params)
     lay = RunLayout(args.runs)
     toks = {a.name: load_tokenizer(a, lay.checkpoint(0, a.name)) for a in cfg.agents}
     iters = [t for t in range(1, cfg.experiment.iterations + 1) if lay.exchange(t).exists()]

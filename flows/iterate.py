@@ -21,7 +21,7 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
-from hacrl.config import schema as config_mod# noqa: E402
+from hacrl.pipeline import params  # noqa: E402
 from hacrl.ops.orchestration import (INPUT_STAGE, ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
                                  StageFailed, device_tags, gpu_stages, iteration_markdown, plan_iteration,
                                  stage_devices, stage_id, workspace_lock)
@@ -88,11 +88,11 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
     """
     logger = get_run_logger()
     project = Path(project_dir or os.environ.get("HACRL_PROJECT_DIR") or PROJECT).resolve()
-    cfg = config_mod.load(project / "params.yaml")
+    cfg = params.load(project / "params.yaml")
     timeout = cfg.orchestration.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
     with workspace_lock(project, timeout, holder=f"flow run {runtime.flow_run.name} ({runtime.flow_run.id})"):
         plan = plan_iteration(project, iteration, overrides)
-        cfg = config_mod.load(project / "params.yaml")
+        cfg = params.load(project / "params.yaml")
         o = cfg.orchestration
         for stage, outs in sorted(plan.changed.items()):  # said, not silently repaired
             logger.warning("%s: %s on disk, not what DVC recorded; the stage that wrote it is run again or "

@@ -24,11 +24,11 @@ def test_auc_is_mean_accuracy_over_the_rollout_budget():
 def test_every_contender_of_every_setting_composes(setting):
     """Sizes the reference layout refuses, an unknown key or a misspelt preset would fail here at
     once rather than an hour into a suite run."""
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
 
     st = SUITES["hacpo"]["settings"][setting]
     for c in (SUITES["hacpo"]["all"] if setting == "default" else st["contenders"]):
-        cfg = config.from_dict(config.compose(st["base"] + SUITES["hacpo"]["all"][c]))
+        cfg = params.from_dict(params.compose(st["base"] + SUITES["hacpo"]["all"][c]))
         assert cfg.algorithm.kl_coef == 0.001 and cfg.rollout.prompts_per_iteration == 128, c
         if setting == "shared_tok":
             assert len({a.tokenizer.kind for a in cfg.agents}) == 1
@@ -38,12 +38,12 @@ def test_every_contender_of_every_setting_composes(setting):
 
 @pytest.mark.parametrize("setting", sorted(SUITES["mutual"]["settings"]))
 def test_every_mutual_contender_composes(setting):
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
 
     st = SUITES["mutual"]["settings"][setting]
     # every contender, the on-demand probes included, composes in every setting
     for c in SUITES["mutual"]["all"]:
-        cfg = config.from_dict(config.compose(st["base"] + SUITES["mutual"]["all"][c]))
+        cfg = params.from_dict(params.compose(st["base"] + SUITES["mutual"]["all"][c]))
         assert cfg.trainer.measure_kl_to_init and cfg.algorithm.kl_coef == 0 and cfg.rollout.prompts_per_iteration == 128
         if c == "sgt_nll0":
             assert cfg.algorithm.loss.nll_weight == 0

@@ -7,22 +7,23 @@ import yaml
 
 from conftest import ROOT
 
-from hacrl.config import schema as config
+from hacrl.errors import ConfigError
+from hacrl.pipeline import params
 
 
 def test_params_yaml_is_the_composition_of_conf(root):
     committed = yaml.safe_load((root / "params.yaml").read_text())
-    assert committed == config.compose([]), "params.yaml is stale: run `hacrl config`"
+    assert committed == params.compose([]), "params.yaml is stale: run `hacrl config`"
 
 
 def test_iterations_table_has_explicit_prev():
-    assert config.iteration_table(3) == {"it1": {"it": 1, "prev": 0}, "it2": {"it": 2, "prev": 1},
+    assert params.iteration_table(3) == {"it1": {"it": 1, "prev": 0}, "it2": {"it": 2, "prev": 1},
                                          "it3": {"it": 3, "prev": 2}}
 
 
 def test_overrides_reach_the_typed_config():
-    data = config.compose(["algorithm=gspo", "rollout.group_size=4", "experiment.iterations=3"])
-    cfg = config.from_dict(data)
+    data = params.compose(["algorithm=gspo", "rollout.group_size=4", "experiment.iterations=3"])
+    cfg = params.from_dict(data)
     assert cfg.algorithm.name == "gspo" and cfg.algorithm.loss.name == "gspo"
     assert (cfg.algorithm.loss.clip_low, cfg.algorithm.loss.clip_high) == (3e-4, 4e-4)  # the registered defaults
     assert cfg.rollout.group_size == 4 and list(data["iterations"]) == ["it1", "it2", "it3"]
@@ -57,7 +58,7 @@ def test_bad_config_fails_at_start_with_one_line(tmp_path, override, key, value)
 
 
 def test_stage_rejects_a_hand_edited_bad_params_file(tmp_path):
-    data = config.compose([])
+    data = params.compose([])
     data["algorithm"]["loss"]["name"] = "ppo-typo"
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(data))
@@ -72,10 +73,10 @@ def test_malformed_dataset_stops_prepare_data_with_file_and_line(tmp_path):
     train.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
     held = tmp_path / "held.jsonl"
     held.write_text('{"problem": "3+3?", "answer": "6"}\n')
-    params = tmp_path / "params.yaml"
-    config.write_params(config.compose(["data=files", f"data.train_path={train}",
-                                        f"data.heldout_path={held}"]), params)
-    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(params)],
+    pfile = tmp_path / "params.yaml"
+    params.write_params(params.compose(["data=files", f"data.train_path={train}",
+                                        f"data.heldout_path={held}"]), pfile)
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(pfile)],
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == f"hacrl: error: {train}:2: missing field 'answer'"
@@ -83,12 +84,12 @@ def test_malformed_dataset_stops_prepare_data_with_file_and_line(tmp_path):
 
 
 def test_a_fetched_agent_needs_no_model_directory_yet():
-    cfg = config.from_dict(config.compose(["agents=smollm2_mix", "experiment=smollm2"]))
+    cfg = params.from_dict(params.compose(["agents=smollm2_mix", "experiment=smollm2"]))
     smol = cfg.agents[0]
     assert smol.fetch == "smollm2" and smol.chat and smol.path == "models/SmolLM2-135M-Instruct"
     assert cfg.data.heldout_size == 64 and cfg.rollout.max_new_tokens == 48  # the experiment file wins
     assert cfg.rollout.engine == "hf"
-    v = config.from_dict(config.compose(["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm"]))
+    v = params.from_dict(params.compose(["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm"]))
     assert v.rollout.engine == "vllm" and v.rollout.max_new_tokens == 48
 
 
@@ -98,26 +99,26 @@ def test_recomposing_keeps_an_experiment_the_flow_extended(tmp_path):
     import yaml
 
     from hacrl.cli import main
-    from hacrl.ops.orchestration import set_iterations
+    from hacrl.ops.orchestration import extend_to
 
     out = tmp_path / "params.yaml"
     assert main(["config", "--out", str(out)]) == 0
     n = yaml.safe_load(out.read_text())["experiment"]["iterations"]
-    set_iterations(tmp_path, n + 1)  # what the flow does once every configured iteration is done
+    extend_to(tmp_path, n + 1)  # what the flow does once every configured iteration is done
     assert main(["config", "--out", str(out)]) == 0
     data = yaml.safe_load(out.read_text())
     assert data["experiment"]["iterations"] == n + 1 and f"it{n + 1}" in data["iterations"]
     assert main(["config", "--out", str(out), "--check"]) == 0
     assert main(["config", "--out", str(out), "experiment.iterations=2"]) == 0
     assert yaml.safe_load(out.read_text())["experiment"]["iterations"] == 2
-    set_iterations(tmp_path, 9)
+    extend_to(tmp_path, 9)
     assert main(["config", "--out", str(out), "experiment=smoke"]) == 0  # another experiment
     assert yaml.safe_load(out.read_text())["experiment"]["iterations"] != 9
 
 
 def test_one_agents_setting_by_name_or_position():
     from hacrl.errors import ConfigError
-    from hacrl.config.schema import compose
+    from hacrl.pipeline.params import compose
 
     base = {a["name"]: a for a in compose([])["agents"]}
     by_name = {a["name"]: a for a in compose(["agents.gpt2-weak.warmup.lr=1e-3"])["agents"]}
@@ -171,8 +172,8 @@ TYPE_ERRORS = [  # override -> the one line it gets
 
 @pytest.mark.parametrize("override,message", TYPE_ERRORS)
 def test_a_bad_value_is_one_line_naming_key_value_and_expected_type(override, message):
-    with pytest.raises(config.ConfigError) as e:
-        config.compose([override])
+    with pytest.raises(ConfigError) as e:
+        params.compose([override])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
@@ -180,7 +181,7 @@ def test_a_hand_edited_params_file_reads_as_hydra_and_dvc_read_it(tmp_path):
     text = (ROOT / "params.yaml").read_text()
     assert "  lr: 0.0005\n" in text and "  temperature: 1.0\n" in text
     (tmp_path / "a.yaml").write_text(text.replace("  lr: 0.0005\n", "  lr: 5e-4\n"))
-    assert config.load(tmp_path / "a.yaml").trainer.lr == 0.0005  # YAML 1.2: a number, as for DVC
+    assert params.load(tmp_path / "a.yaml").trainer.lr == 0.0005  # YAML 1.2: a number, as for DVC
     (tmp_path / "b.yaml").write_text(text.replace("  temperature: 1.0\n", "  temperature: '1.0'\n"))
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(tmp_path / "b.yaml")],
                        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HACRL_STAGE_SERVER": "0"})
@@ -188,49 +189,84 @@ def test_a_hand_edited_params_file_reads_as_hydra_and_dvc_read_it(tmp_path):
         "hacrl: error: rollout.temperature: invalid value '1.0' (expected a number)"
     assert not (tmp_path / "data").exists()  # refused before any work
     (tmp_path / "c.yaml").write_text("experiment: [\n")
-    with pytest.raises(config.ConfigError, match=r"c\.yaml:2: not valid YAML"):
-        config.load(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"c\.yaml:2: not valid YAML"):
+        params.load(tmp_path / "c.yaml")
 
 
 def test_an_agent_path_that_is_not_a_model_is_refused_at_config_time(tmp_path):
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    with pytest.raises(config.ConfigError) as e:
-        config.compose([f"agents.pool.0.path={empty}"])
+    with pytest.raises(ConfigError) as e:
+        params.compose([f"agents.pool.0.path={empty}"])
     assert str(e.value) == f"agents[0].path: invalid value '{empty}' (no config.json: not a Hugging Face model directory)"
     (empty / "config.json").write_text("{}")
-    with pytest.raises(config.ConfigError) as e:
-        config.compose([f"agents.pool.0.path={empty}"])
+    with pytest.raises(ConfigError) as e:
+        params.compose([f"agents.pool.0.path={empty}"])
     assert str(e.value).startswith(f"agents[0].path: invalid value '{empty}' (no tokenizer files (tokenizer.json,")
     (empty / "tokenizer.json").write_text("{}")
-    assert config.compose([f"agents.pool.0.path={empty}"])["agents"][0]["path"] == str(empty)
+    assert params.compose([f"agents.pool.0.path={empty}"])["agents"][0]["path"] == str(empty)
 
 
 def test_iterations_that_cannot_run_are_refused_before_anything_is_written(tmp_path):
-    params = tmp_path / "params.yaml"
+    pfile = tmp_path / "params.yaml"
     from conftest import SMOKE
 
-    data = config.compose([*SMOKE, "experiment.iterations=2", "tracking.enabled=false"])
-    config.write_params(data, params)
+    data = params.compose([*SMOKE, "experiment.iterations=2", "tracking.enabled=false"])
+    params.write_params(data, pfile)
     env = {**os.environ, "HACRL_STAGE_SERVER": "0"}
     for args, msg in ((["evaluate", "--iteration", "-1"], "--iteration: invalid value -1 (iterations 0-2 are configured"),
                       (["generate-rollouts", "--iteration", "5"], "--iteration: invalid value 5 (iterations 0-2"),
                       (["update-policies", "--iteration", "0"], "--iteration: invalid value 0 (RL iterations start at 1)")):
-        p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", *args, "--params", str(params)],
+        p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", *args, "--params", str(pfile)],
                            capture_output=True, text=True, cwd=tmp_path, env=env)
         assert p.returncode == 2 and p.stderr.strip().startswith(f"hacrl: error: {msg}"), p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["params.yaml"]  # no runs/itN/, no MLflow store
     # a hand-edited count that disagrees with the iteration table dvc.yaml runs
-    config.write_params({**data, "experiment": {**data["experiment"], "iterations": 5}}, params)
-    with pytest.raises(config.ConfigError, match=r"experiment.iterations: invalid value 5 \(the iteration table "
+    params.write_params({**data, "experiment": {**data["experiment"], "iterations": 5}}, pfile)
+    with pytest.raises(ConfigError, match=r"experiment.iterations: invalid value 5 \(the iteration table "
                                                  r"dvc.yaml runs has 2 entries"):
-        config.load(params)
+        params.load(pfile)
 
 
 def test_params_yaml_reads_back_what_was_written(tmp_path):
     """Strings YAML 1.2 would read as numbers (`2e4`, a commit id like `7e69083`) are quoted."""
-    data = config.compose(["experiment.name='2e4'", "algorithm.name='7e69083'"])
-    config.write_params(data, tmp_path / "params.yaml")
+    data = params.compose(["experiment.name='2e4'", "algorithm.name='7e69083'"])
+    params.write_params(data, tmp_path / "params.yaml")
     assert "name: '2e4'" in (tmp_path / "params.yaml").read_text()
-    cfg = config.load(tmp_path / "params.yaml")
+    cfg = params.load(tmp_path / "params.yaml")
     assert (cfg.experiment.name, cfg.algorithm.name) == ("2e4", "7e69083")
+
+
+def test_composing_and_checking_a_config_imports_neither_torch_nor_mlflow():
+    """``hacrl config`` and every stage's start-up check stay fast: the schema, the builder and the
+    checks read the registries and tables of the modules they check, never their heavy imports."""
+    code = ("import sys\nfrom hacrl.pipeline import params\n"
+            "params.from_dict(params.compose(['algorithm=hacpo', 'rollout=vllm']))\n"
+            "print(' '.join(m for m in ('torch', 'mlflow', 'transformers', 'deepspeed', 'vllm') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == "", f"imported: {p.stdout.strip()}"
+
+
+def test_a_default_lives_in_the_schema_only():
+    """conf/ presets state what they change: no preset repeats a schema default (the drift of
+    rollout.max_new_tokens, 16 in the dataclass and 20 in conf/, cannot come back)."""
+    import dataclasses
+
+    from hacrl.config.schema import Config
+
+    defaults = params.defaults()
+    repeated = []
+    for group in ("data", "rollout", "trainer", "experiment"):
+        for f in sorted((params.CONF_DIR / group).glob("*.yaml")):
+            doc = yaml.safe_load(f.read_text()) or {}
+            sections = doc if "# @package _global_" in f.read_text() else {group: doc}
+            for sec, body in sections.items():
+                for k, v in (body or {}).items():
+                    if k in ("source", "engine", "backend", "name"):  # what names the preset
+                        continue
+                    if defaults.get(sec, {}).get(k) == v:
+                        repeated.append(f"{f.relative_to(params.CONF_DIR)}: {sec}.{k}={v!r}")
+    assert not repeated, repeated
+    root = yaml.safe_load((params.CONF_DIR / "config.yaml").read_text())
+    assert set(root) == {"defaults"}, "conf/config.yaml holds the defaults list only"
+    assert dataclasses.asdict(Config())["rollout"]["max_new_tokens"] == params.compose([])["rollout"]["max_new_tokens"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import SMOKE
 
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.pipeline.result import StageResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +21,12 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     import shutil
 
     from hacrl.ops import tracking
-    from hacrl.config.schema import write_params
+    from hacrl.pipeline.params import write_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     orig = tmp_path / "orig ws"
     orig.mkdir()
-    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true", "tracking.asynchronous=false"]))
+    cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true", "tracking.asynchronous=false"]))
     assert tracking.foreign_store(cfg, orig) is None  # no store yet
     ckpt = orig / "runs" / "it0" / "checkpoints" / "gpt2-a"
     ckpt.mkdir(parents=True)
@@ -54,7 +54,7 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     assert len(list((orig / "mlartifacts").rglob("MLmodel"))) == 1  # the original's one model, no more
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     # `hacrl config` there says it in one line
-    write_params(config_mod.compose(SMOKE), copy / "params.yaml")
+    write_params(params.compose(SMOKE), copy / "params.yaml")
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=copy, capture_output=True, text=True,
                        env={k: v for k, v in __import__("os").environ.items() if k != "MLFLOW_TRACKING_URI"})
     assert p.returncode == 0 and f"hacrl: warning: mlflow.db belongs to {orig}" in p.stderr

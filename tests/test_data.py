@@ -103,15 +103,16 @@ def test_worked_solutions_are_correct_arithmetic_ending_in_the_answer(level):
 
 
 def test_worked_solutions_need_the_procedural_task():
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
+    from hacrl.errors import ConfigError
 
     with pytest.raises(DataError, match="no worked solution for level 'all'"):
         data.worked_solution({"id": "x", "problem": "What is 2+2?", "answer": "4", "level": "all"})
-    d = config.compose(["data=arith_worked"])
+    d = params.compose(["data=arith_worked"])
     assert d["data"]["completion"] == "worked"
     d["data"].update(source="files", train_path=__file__, heldout_path=__file__)
-    with pytest.raises(config.ConfigError, match="^data.completion: .*procedural task only"):
-        config.from_dict(d)
+    with pytest.raises(ConfigError, match="^data.completion: .*procedural task only"):
+        params.from_dict(d)
 
 
 def test_a_line_that_is_not_utf8_is_named_and_skip_skips_it(tmp_path):

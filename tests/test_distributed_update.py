@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMOKE
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
@@ -26,10 +26,10 @@ WEIGHT_TOL = 1e-5
 
 
 def cfg_for(root, extra=()):
-    data = config.compose(SMOKE + ["algorithm=hacpo", "trainer.mini_batch_prompts=4", *extra])
+    data = params.compose(SMOKE + ["algorithm=hacpo", "trainer.mini_batch_prompts=4", *extra])
     data["experiment"]["runs_dir"] = str(root / "runs")
     data["experiment"]["reports_dir"] = str(root / "reports")
-    return config.from_dict(data)
+    return params.from_dict(data)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def _load_saved_state(saved_by, extra, caplog):
     from hacrl.agents.pool import load_agent
     from hacrl.rl.trainer import PolicyOptimizer
 
-    cfg = config.from_dict({**config.compose(SMOKE + ["algorithm=hacpo", *extra]),
+    cfg = params.from_dict({**params.compose(SMOKE + ["algorithm=hacpo", *extra]),
                             "experiment": {**saved_by.experiment.__dict__}})
     lay = RunLayout(cfg.experiment.runs_dir)
     ac = cfg.agents[0]

@@ -252,7 +252,7 @@ def test_hacrl_run_writes_what_dvc_tracks_in_one_process(tmp_path):
 
 def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_stale(tmp_path):
     """Inputs outside the repository are dependencies too (dvc.yaml's external-input stages)."""
-    from hacrl.config import schema as config
+    from hacrl.config import build
 
     files = tmp_path / "tasks"
     files.mkdir()
@@ -262,7 +262,7 @@ def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_
     ws = dvc_workspace(tmp_path / "ws", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
     _config(ws, "data=files", f"data.train_path={files / 'train.jsonl'}", f"data.heldout_path={files / 'held.jsonl'}",
             "data.dev_size=10")
-    assert set(config.read_yaml(ws / "params.yaml")["external_inputs"]) == {"data-train", "data-heldout"}
+    assert set(build.read_yaml(ws / "params.yaml")["external_inputs"]) == {"data-train", "data-heldout"}
     ran = _ran(_run(["dvc", "repro", "prepare-data"], ws).stdout)
     assert ran == ["external-input@data-heldout", "external-input@data-train", "prepare-data"] or \
         sorted(ran) == sorted(["external-input@data-heldout", "external-input@data-train", "prepare-data"])

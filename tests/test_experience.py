@@ -11,7 +11,8 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
+from hacrl.errors import ConfigError
 from hacrl.config.schema import StreamConfig
 from hacrl.exchange.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, publish, read_records,
                                        select, write_records)
@@ -176,8 +177,8 @@ def test_pooled_reward_stats_equal_the_statistics_of_the_pooled_rewards(publishe
 
 
 def test_the_cli_reports_a_damaged_shard_in_one_line(tmp_path):
-    data = config.compose(SMOKE)
-    config.write_params(data, tmp_path / "params.yaml")
+    data = params.compose(SMOKE)
+    params.write_params(data, tmp_path / "params.yaml")
     shard = tmp_path / "runs" / "it1" / "rollouts" / "gpt2-a.parquet"
     shard.parent.mkdir(parents=True)
     rollout_df("gpt2-a").drop(columns=["response_token_ids"]).to_parquet(shard, index=False)
@@ -209,25 +210,25 @@ def test_a_metadata_less_shard_of_another_record_type_is_refused(tmp_path, publi
       {"record_type": "reward_stats", "producers": "all", "verdicts": ["correct"]}], "carry no verdict"),
 ])
 def test_a_subscription_that_would_count_records_twice_or_select_nothing_is_refused(subscription, why):
-    data = config.compose([])
+    data = params.compose([])
     data["algorithm"]["subscription"] = subscription
-    with pytest.raises(config.ConfigError, match=why):
-        config.from_dict(data)
-    ok = config.compose([])  # disjoint streams are fine: own trajectories and peers' successes
+    with pytest.raises(ConfigError, match=why):
+        params.from_dict(data)
+    ok = params.compose([])  # disjoint streams are fine: own trajectories and peers' successes
     ok["algorithm"]["subscription"] = [{"record_type": "trajectory", "producers": "self"},
                                        {"record_type": "verified_success", "producers": "peers"}]
-    config.from_dict(ok)
+    params.from_dict(ok)
 
 
 def test_an_estimator_is_refused_without_the_records_it_needs():
-    data = config.compose(["algorithm=xgrpo"])
+    data = params.compose(["algorithm=xgrpo"])
     data["algorithm"]["subscription"] = [{"record_type": "trajectory", "producers": "self"}]
-    with pytest.raises(config.ConfigError, match="the xgrpo advantage needs a reward_stats stream"):
-        config.from_dict(data)
-    data = config.compose(["algorithm=hacpo"])
+    with pytest.raises(ConfigError, match="the xgrpo advantage needs a reward_stats stream"):
+        params.from_dict(data)
+    data = params.compose(["algorithm=hacpo"])
     data["algorithm"]["loss"]["alpha"] = "three"
-    with pytest.raises(config.ConfigError, match=r"^algorithm.loss.alpha: invalid value 'three' \(expected a number\)"):
-        config.from_dict(data)
+    with pytest.raises(ConfigError, match=r"^algorithm.loss.alpha: invalid value 'three' \(expected a number\)"):
+        params.from_dict(data)
 
 
 @pytest.mark.parametrize("peer_eos", ["keep_if_stopped", "drop"])

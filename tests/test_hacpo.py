@@ -288,15 +288,16 @@ def test_source_block_layout_takes_the_official_updates_in_the_official_order():
 
 
 def test_source_block_sizes_that_do_not_divide_are_refused():
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
+    from hacrl.errors import ConfigError
 
-    with pytest.raises(config.ConfigError, match=r"^rollout.prompts_per_iteration: .*not a whole number of "
+    with pytest.raises(ConfigError, match=r"^rollout.prompts_per_iteration: .*not a whole number of "
                                                  r"mini-batches of 64 prompts"):
-        config.compose(["algorithm=hacpo", "rollout.prompts_per_iteration=100", "trainer.mini_batch_prompts=64"])
+        params.compose(["algorithm=hacpo", "rollout.prompts_per_iteration=100", "trainer.mini_batch_prompts=64"])
     # GSPO x2: 2G samples per prompt, so a GSPO-sized mini-batch holds half the prompts
-    with pytest.raises(config.ConfigError, match=r"^trainer.mini_batch_prompts: .*not a whole number of prompt groups"):
-        config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=63"])
-    cfg = config.from_dict(config.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128",
+    with pytest.raises(ConfigError, match=r"^trainer.mini_batch_prompts: .*not a whole number of prompt groups"):
+        params.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=63"])
+    cfg = params.from_dict(params.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128",
                                            "trainer.mini_batch_prompts=64"]))
     from hacrl.rl.update import prompts_per_update
 

@@ -77,10 +77,10 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
     """Through the CLI, as DVC runs it (DVC_STAGE, DVC_ROOT): exit 2 (no retry), one line, nothing written."""
     from conftest import SMOKE
 
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
 
     ws = _workspace(tmp_path)
-    config.write_params(config.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
+    params.write_params(params.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
     (ws / "runs/it1/checkpoints/a/model.safetensors").write_text("weightz")
     env = {**os.environ, "DVC_STAGE": "generate-rollouts@it2", "DVC_ROOT": str(ws), "HACRL_STAGE_SERVER": "0"}
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "generate-rollouts", "--iteration", "2"], cwd=ws,
@@ -92,17 +92,17 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
 
 
 def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_path):
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
     from hacrl.ops.inputs import stamp
 
     model = tmp_path / "my model"
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "tokenizer.json").write_text("{}")
-    data = config.compose([f"agents.pool.1.path={model}"])
+    data = params.compose([f"agents.pool.1.path={model}"])
     assert data["external_inputs"] == {"agent-llama-mid": {"path": str(model)}}
-    assert config.compose([])["external_inputs"] == {"none": {"path": "src/hacrl/no_external_input.txt"}}
-    config.write_params(data, tmp_path / "params.yaml")
+    assert params.compose([])["external_inputs"] == {"none": {"path": "src/hacrl/no_external_input.txt"}}
+    params.write_params(data, tmp_path / "params.yaml")
     first = stamp(tmp_path, "agent-llama-mid").read_text()
     assert json.loads(first) == {"input": "agent-llama-mid", "md5": dvc_hash(model)}
     assert stamp(tmp_path, "agent-llama-mid").read_text() == first  # same content, same stamp

@@ -194,7 +194,7 @@ def test_grpo_advantage_over_the_learners_own_rows():
 
 
 def test_sgt_needs_whole_prompt_groups_in_a_minibatch():
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
 
     with pytest.raises(ConfigError, match="sgt loss works under prompt_groups"):
-        config.from_dict(config.compose(["algorithm=sgt", "algorithm.minibatch_order=source_blocks"]))
+        params.from_dict(params.compose(["algorithm=sgt", "algorithm.minibatch_order=source_blocks"]))

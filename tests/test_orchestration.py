@@ -167,11 +167,11 @@ def test_a_failed_stage_is_one_line_naming_its_own_error():
 def test_the_flow_runs_report_links_accuracy_to_checkpoints_and_mlflow(tmp_path):
     from conftest import SMOKE
 
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.ops.orchestration import iteration_markdown
     from hacrl.storage import write_json
 
-    cfg = config_mod.from_dict(config_mod.compose(SMOKE))
+    cfg = params.from_dict(params.compose(SMOKE))
     write_json(tmp_path / "runs" / "it2" / "eval_metrics.json",
                {"iteration": 2, "agents": {"gpt2-a": {"eval_accuracy": 0.25, "eval_stderr": 0.04, "train_reward": 0.5}}})
     write_json(tmp_path / "runs" / ".tracking" / "runs.json",

@@ -81,11 +81,11 @@ def test_unigram_ids_are_the_same_in_every_process():
 def test_the_shared_tokenizer_pool_trains_one_tokenizer_for_both_agents(tiny_problems):
     """agents=embedded_shared_tok: the same tokenizer configuration and template give the
     identical tokenizer (same vocabulary, same ids), so THL is the identity between them."""
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
     from hacrl.task.data import completion_text
     from hacrl.agents.pool import build_model, train_tokenizer
 
-    cfg = config.from_dict(config.compose(["agents=embedded_shared_tok"]))
+    cfg = params.from_dict(params.compose(["agents=embedded_shared_tok"]))
     small, large = cfg.agents
     assert small.tokenizer == large.tokenizer and small.template == large.template and small.arch == large.arch
     toks = []

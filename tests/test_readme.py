@@ -82,11 +82,11 @@ def test_the_readme_comparisons_are_valid_plans(tmp_path):
 def test_the_readme_mlflow_commands_list_the_experiment_and_its_runs(tmp_path):
     from conftest import SMOKE
 
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.pipeline.result import StageResult
     from hacrl.ops.tracking import Tracker
 
-    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+    cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg.tracking.uri = uri
     Tracker(cfg, tmp_path).log_stage("verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0)

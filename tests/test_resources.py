@@ -9,13 +9,16 @@ import sys
 import pytest
 
 from hacrl.config import schema as config
+from hacrl.config import build
+from hacrl.pipeline import params
+from hacrl.errors import ConfigError
 from hacrl.resources import PlanError, plan
 
 AGENTS = ["small", "mid", "large"]
 
 
 def res(data: dict) -> config.ResourcesConfig:
-    return config._build(config.ResourcesConfig, data, "resources")
+    return build.build(config.ResourcesConfig, data, "resources")
 
 
 def gpus(n: int, gib: float = 80) -> list[dict]:
@@ -191,18 +194,18 @@ def test_a_failed_job_fails_the_stage_naming_the_agent_after_its_wave_finishes()
 
 
 def test_cpu_shares_and_the_whole_host_do_not_mix():
-    with pytest.raises(config.ConfigError, match="not both"):
-        config.from_dict({**config.compose([]), "resources": {"devices": [{"id": "cpu"}, {"id": "cpu:0"}]}})
+    with pytest.raises(ConfigError, match="not both"):
+        params.from_dict({**params.compose([]), "resources": {"devices": [{"id": "cpu"}, {"id": "cpu:0"}]}})
 
 
 def test_stage_devices_tags_and_gpu_routing_follow_the_plan():
     from hacrl.ops.orchestration import device_tags, gpu_stages, stage_devices
 
-    cpu = config.from_dict(config.compose([]))
+    cpu = params.from_dict(params.compose([]))
     assert stage_devices(cpu, "update-policies@it3") == ("cpu",) and device_tags(("cpu",)) == []
     assert stage_devices(cpu, "verify-rewards") == ()
     assert gpu_stages(cpu) == ("update-policies",)  # the routing as before on a CPU host
-    g = config.from_dict(config.compose(["resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"]))
+    g = params.from_dict(params.compose(["resources.devices=[{id: 'cuda:0', memory_gib: 80}, {id: 'cuda:1', memory_gib: 80}]"]))
     assert stage_devices(g, "generate-rollouts") == ("cuda:0", "cuda:1")
     assert device_tags(stage_devices(g, "evaluate")) == ["device:cuda:0", "device:cuda:1"]
     assert gpu_stages(g) == ("evaluate-warmup", "generate-rollouts", "update-policies", "evaluate")

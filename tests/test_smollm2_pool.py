@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.exchange.experience import read_records
 from hacrl.storage import RunLayout
@@ -27,10 +27,10 @@ TINY = ["agents=smollm2_mix", "experiment=smollm2", "tracking.enabled=false",
 
 
 def _cfg(tmp, engine, iterations):
-    d = config.compose(TINY + [f"rollout.engine={engine}", f"experiment.iterations={iterations}"])
+    d = params.compose(TINY + [f"rollout.engine={engine}", f"experiment.iterations={iterations}"])
     d["experiment"]["runs_dir"] = str(tmp / "runs")
     d["experiment"]["reports_dir"] = str(tmp / "reports")
-    return config.from_dict(d)
+    return params.from_dict(d)
 
 
 def test_smollm2_pool_through_the_stages_with_both_engines(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.errors import NonFiniteLossError
 from hacrl.exchange.experience import read_records, write_records
@@ -17,10 +17,10 @@ from hacrl.storage import RunLayout, read_json
 
 
 def smoke_config(tmp_path, extra=()):
-    data = config.compose(SMOKE + list(extra))
+    data = params.compose(SMOKE + list(extra))
     data["experiment"]["runs_dir"] = str(tmp_path / "runs")
     data["experiment"]["reports_dir"] = str(tmp_path / "reports")
-    return config.from_dict(data)
+    return params.from_dict(data)
 
 
 @pytest.fixture(scope="module")
@@ -284,10 +284,10 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
     import sys
 
     cfg, _ = pipeline
-    script = ("import json, sys\nfrom hacrl.config import schema as config\nfrom hacrl.pipeline import stages\n"
-              "d = config.compose(json.loads(sys.argv[1]))\n"
+    script = ("import json, sys\nfrom hacrl.pipeline import params, stages\n"
+              "d = params.compose(json.loads(sys.argv[1]))\n"
               "d['experiment']['runs_dir'], d['experiment']['reports_dir'] = sys.argv[2], sys.argv[3]\n"
-              "stages.update_policies(config.from_dict(d), 1)\n")
+              "stages.update_policies(params.from_dict(d), 1)\n")
     digests = []
     for k in range(2):  # two processes, as two `dvc repro` runs would be
         runs = tmp_path / f"r{k}" / "runs"

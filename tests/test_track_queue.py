@@ -11,12 +11,12 @@ from pathlib import Path
 
 from conftest import SMOKE
 
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.ops import track_queue
 
 
 def _cfg(tmp_path: Path):
-    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+    cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
     cfg.tracking.uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return cfg
 
@@ -24,10 +24,10 @@ def _cfg(tmp_path: Path):
 def test_a_stage_queues_its_record_without_importing_mlflow_and_track_logs_it(tmp_path):
     code = f"""
 import sys, time
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.ops import tracking
 from conftest import SMOKE
-cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true"]))
+cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
 cfg.tracking.uri = "sqlite:///{tmp_path / 'mlflow.db'}"
 from hacrl.pipeline.result import StageResult
 res = StageResult({{"p_hat": {{"gpt2-a": 0.25}}}}, agents={{"gpt2-a": {{"p_hat": 0.25}}}}, metrics={{"pooled/n": 3}})

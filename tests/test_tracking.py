@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SMOKE
 
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.pipeline.result import Input, Series, StageResult
 from hacrl.storage import RunLayout, read_json
 from hacrl.ops.tracking import Tracker, dvc_hash
@@ -22,7 +22,7 @@ AGENTS = ("gpt2-a", "llama-b")
 
 
 def _cfg(tmp_path: Path, *extra: str):
-    cfg = config_mod.from_dict(config_mod.compose([*SMOKE, "tracking.enabled=true", *extra]))
+    cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true", *extra]))
     cfg.tracking.uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return cfg
 
@@ -188,11 +188,11 @@ def test_credentials_in_a_uri_never_reach_mlflow_params():
 
     from hacrl.ops.tracking import flatten
 
-    cfg = config_mod.from_dict(config_mod.compose(SMOKE))
+    cfg = params.from_dict(params.compose(SMOKE))
     cfg.tracking.uri = "https://alice:s3cr3t@mlflow.example.org:5000"
-    params = flatten(dataclasses.asdict(cfg))
-    assert params["tracking.uri"] == "https://***@mlflow.example.org:5000"
-    assert not any("s3cr3t" in v for v in params.values())
+    flat = flatten(dataclasses.asdict(cfg))
+    assert flat["tracking.uri"] == "https://***@mlflow.example.org:5000"
+    assert not any("s3cr3t" in v for v in flat.values())
 
 
 def test_a_rerun_that_writes_the_identical_checkpoint_keeps_its_model(tracked):

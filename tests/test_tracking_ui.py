@@ -2,14 +2,14 @@
 
 from pathlib import Path
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.ops.services import service_env
 from hacrl.ops.tracking import runs_url
 
 
 def test_serve_links_the_experiments_training_runs(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = config.from_dict(config.compose(["experiment=smoke"]))
+    cfg = params.from_dict(params.compose(["experiment=smoke"]))
     url = runs_url("http://127.0.0.1:5000/", cfg, tmp_path)
     assert url.startswith("http://127.0.0.1:5000/#/experiments/") and url.endswith("/runs")
     assert runs_url("http://127.0.0.1:5000", cfg, tmp_path) == url  # created once, then found

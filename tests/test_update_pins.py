@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT, SMOKE
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
@@ -43,10 +43,10 @@ ALL_POSITIONS = ["trainer.response_logits_only=false"]
 
 
 def _cfg(tmp, algo):
-    d = config.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []) + ALL_POSITIONS)
+    d = params.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []) + ALL_POSITIONS)
     d["experiment"]["runs_dir"] = str(tmp / "runs")
     d["experiment"]["reports_dir"] = str(tmp / "reports")
-    return config.from_dict(d)
+    return params.from_dict(d)
 
 
 def weights_sha256(model_dir) -> str:

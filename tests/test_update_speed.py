@@ -16,7 +16,7 @@ import torch
 
 from conftest import SMOKE, make_agent
 
-from hacrl.config import schema as config
+from hacrl.pipeline import params
 from hacrl.pipeline import stages
 from hacrl.exchange.experience import read_records
 from hacrl.agents.scoring import pack, response_span, token_logprobs
@@ -64,9 +64,9 @@ def iteration1(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(tmp)
     try:
-        d = config.compose(SMOKE + ["algorithm=hacpo"])
+        d = params.compose(SMOKE + ["algorithm=hacpo"])
         d["experiment"]["runs_dir"] = str(tmp / "runs")
-        cfg = config.from_dict(d)
+        cfg = params.from_dict(d)
         for s in (stages.prepare_data, stages.prepare_pool):
             s(cfg)
         for s in (stages.generate_rollouts, stages.verify_rewards, stages.exchange_and_align,

@@ -38,7 +38,7 @@ STAGE_NAMES = ("prepare-data", "prepare-pool", "generate-rollouts", "verify-rewa
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hacrl.config.schema import compose, keep_extension, write_params
+    from hacrl.pipeline.params import compose, keep_extension, write_params
 
     data = compose(args.overrides)
     out = Path(args.out)
@@ -57,7 +57,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     write_params(data, out)
     print(f"wrote {out} ({data['algorithm']['name']}, {len(data['agents'])} agents, "
           f"{data['experiment']['iterations']} iterations)")
-    from hacrl.config.schema import from_dict
+    from hacrl.pipeline.params import from_dict
     from hacrl.ops.tracking import foreign_store
 
     foreign = foreign_store(from_dict(data), Path("."))
@@ -67,20 +67,21 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
+    from hacrl.errors import ConfigError
     from hacrl.ops import tracking
     from hacrl.ops.orchestration import ITERATION_STAGES
     from hacrl.pipeline.stages import STAGES
     from hacrl.storage import clean_tmp
 
-    cfg = config_mod.load(args.params)
+    cfg = params.load(args.params)
     if args.name not in STAGES:
-        raise config_mod.ConfigError(f"stage: unknown stage {args.name!r} (choose from {', '.join(STAGES)})")
+        raise ConfigError(f"stage: unknown stage {args.name!r} (choose from {', '.join(STAGES)})")
     t = args.iteration
     if args.name in ITERATION_STAGES and args.name != "evaluate" and t < 1:
-        raise config_mod.ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
+        raise ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
     if t < 0 or (args.name not in ("prepare-data", "prepare-pool", "report") and t > cfg.experiment.iterations):
-        raise config_mod.ConfigError(f"--iteration: invalid value {t} (iterations 0-{cfg.experiment.iterations} "
+        raise ConfigError(f"--iteration: invalid value {t} (iterations 0-{cfg.experiment.iterations} "
                                      f"are configured; more: `hacrl config experiment.iterations=N`)")
     removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
     if removed:
@@ -126,10 +127,10 @@ def cmd_input_stamp(args: argparse.Namespace) -> int:
 
 def cmd_track(args: argparse.Namespace) -> int:
     """Log the stage records still queued for MLflow, after any flusher still at work."""
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.ops import track_queue
 
-    cfg = config_mod.load(args.params)
+    cfg = params.load(args.params)
     if not cfg.tracking.enabled:
         return 0
     project = Path(".").resolve()
@@ -154,7 +155,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     import yaml
 
     from hacrl.rl import algorithms
-    from hacrl.config.schema import CONF_DIR
+    from hacrl.pipeline.params import CONF_DIR
 
     print("presets (conf/algorithm/, select with algorithm=NAME):")
     for f in sorted((CONF_DIR / "algorithm").glob("*.yaml")):
@@ -172,10 +173,10 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.pipeline.stages import run_in_process
 
-    cfg = config_mod.load(args.params)
+    cfg = params.load(args.params)
     timings = run_in_process(cfg)
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}, indent=2))
     print(f"wrote {cfg.experiment.runs_dir}/ and {cfg.experiment.reports_dir}/ (the outputs `dvc repro` tracks; "
@@ -218,13 +219,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"Prefect UI   http://127.0.0.1:{st['prefect_port']}  (deployments hacrl/iterate, hacrl-stage/gpu)")
     if not args.no_mlflow_ui:
         ui = f"http://127.0.0.1:{st['mlflow_port']}"
-        params = Path(args.project).resolve() / "params.yaml"
-        if params.exists():  # straight to the experiment's training runs
-            from hacrl.config import schema as config_mod
+        pfile = Path(args.project).resolve() / "params.yaml"
+        if pfile.exists():  # straight to the experiment's training runs
             from hacrl.ops.tracking import runs_url
+            from hacrl.pipeline import params
 
             try:
-                cfg = config_mod.load(params)
+                cfg = params.load(pfile)
                 ui = runs_url(ui, cfg, Path(args.project)) if cfg.tracking.enabled else ui
             except Exception as e:  # noqa: BLE001 - the UI is up either way
                 log.warning("no experiment page: %s", e)
@@ -252,10 +253,10 @@ def cmd_iterate(args: argparse.Namespace) -> int:
 
 
 def cmd_resources(args: argparse.Namespace) -> int:
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.resources import plan
 
-    cfg = config_mod.from_dict(config_mod.compose(args.overrides)) if args.overrides else config_mod.load(args.params)
+    cfg = params.from_dict(params.compose(args.overrides)) if args.overrides else params.load(args.params)
     p = plan(cfg.resources, [a.name for a in cfg.agents])
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.describe())
     return 0

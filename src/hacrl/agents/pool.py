@@ -13,11 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hacrl.errors import ConfigError
 from hacrl.config.schema import AgentConfig, TokenizerConfig
+from hacrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+ARCHS = ("gpt2", "llama", "qwen2")
+"""transformers architectures an embedded agent is built as (:func:`build_model`)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these makes a directory one AutoTokenizer can load."""
 SPECIALS = {
     "bytelevel_bpe": {"eos": "<|endoftext|>", "pad": "<|pad|>", "unk": None},
     "metaspace_bpe": {"eos": "</s>", "pad": "<pad>", "unk": "<unk>"},
@@ -106,7 +110,7 @@ def build_model(agent: AgentConfig, tokenizer):
         return LlamaForCausalLM(LlamaConfig(**common, **mc))
     if agent.arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common, **mc))
-    raise ConfigError(f"agents.{agent.name}.arch: invalid value {agent.arch!r} (choose from gpt2, llama, qwen2)")
+    raise ConfigError(f"agents.{agent.name}.arch: invalid value {agent.arch!r} (choose from {', '.join(ARCHS)})")
 
 
 @dataclass

@@ -23,7 +23,6 @@ its tokenizer and template.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

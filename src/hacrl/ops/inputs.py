@@ -192,7 +192,7 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     (prepare-data, prepare-pool) are stale exactly when its content changed. The placeholder
     entry (nothing external) gets a constant stamp."""
     from hacrl.errors import ConfigError
-    from hacrl.config.schema import read_yaml
+    from hacrl.config.build import read_yaml
     from hacrl.storage import atomic_write_text
     from hacrl.ops.tracking import dvc_hash
 

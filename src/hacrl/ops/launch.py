@@ -51,7 +51,7 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
         raise NoPrefect("no Prefect server: run `make serve` first (hacrl iterate finds its services; "
                         "elsewhere `source .services.env`)")
     if overrides:  # refused here, before a flow run exists (the flow recomposes params.yaml with them)
-        from hacrl.config.schema import compose
+        from hacrl.pipeline.params import compose
 
         compose(list(overrides))
     # with overrides the iteration is chosen once params.yaml is recomposed: the flow names its run then

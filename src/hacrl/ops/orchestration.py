@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+from hacrl.config.build import read_yaml
 from hacrl.errors import ConfigError
-from hacrl.config.schema import compose, from_dict, iteration_table, keep_extension, read_yaml, write_params
+from hacrl.pipeline.params import compose, from_dict, keep_extension, read_params, set_iterations, write_params
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +128,14 @@ def stage_id(stage: str, t: int) -> str:
     return f"{stage}@it{t}"
 
 
-def read_params(project: Path) -> dict:
-    """params.yaml as DVC and Hydra read it (``5e-4`` is a number)."""
-    return read_yaml(project / "params.yaml") or {}
-
-
-def set_iterations(project: Path, n: int) -> dict:
+def extend_to(project: Path, n: int) -> dict:
     """Rewrite params.yaml with ``n`` iterations, everything else as it is.
 
     The current params.yaml is kept (including the overrides it was composed with); only the
-    iteration count and DVC's ``iterations`` table change, which no stage depends on: nothing
-    finished becomes stale.
+    iteration count and DVC's ``iterations`` table change (:func:`hacrl.pipeline.params.set_iterations`),
+    which no stage depends on: nothing finished becomes stale.
     """
-    data = read_params(project)
-    data["experiment"]["iterations"] = int(n)
-    data["iterations"] = iteration_table(int(n))
+    data = set_iterations(read_params(project), n)
     from_dict(data)
     write_params(data, project / "params.yaml")
     return data
@@ -225,7 +219,7 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
     iteration = _choose(n, stale, iteration)
     extended = iteration == n + 1
     if extended:
-        set_iterations(project, iteration)
+        extend_to(project, iteration)
         n = iteration
         stale = stale_stages(project)
     return Plan(iteration, n, False, extended, stale, [], changed_outputs(status))

@@ -104,7 +104,7 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
 
     ``timeout_s``: give up waiting for the lock after that long (None: wait as long as it takes).
     """
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.pipeline.result import StageResult
     from hacrl.ops.tracking import Tracker, foreign_store
 
@@ -120,7 +120,7 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
         for path in pending(project_dir, runs_dir):
             try:
                 rec = json.loads(path.read_text())
-                cfg = config_mod.from_dict(rec["config"])
+                cfg = params.from_dict(rec["config"])
                 foreign = foreign_store(cfg, project_dir)
                 if foreign:  # records copied along with a workspace: never into the other's store
                     log.warning("%s; %d records stay queued", foreign, len(pending(project_dir, runs_dir)))

@@ -166,7 +166,7 @@ def hash_seed(*parts) -> int:
 def vllm_python(path: str) -> Path:
     """The vLLM interpreter: an absolute path as is; a relative one from the working directory if
     it exists there, else from the project root (where ``make setup-vllm`` builds it)."""
-    from hacrl.config.schema import CONF_DIR
+    from hacrl.pipeline.params import CONF_DIR
 
     p = Path(path)
     if p.is_absolute() or (Path.cwd() / p).exists():

@@ -30,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl.config.schema import Config, from_dict
+from hacrl.config.schema import Config
+from hacrl.pipeline.params import from_dict
 from hacrl.errors import NonFiniteLossError
 
 log = logging.getLogger(__name__)

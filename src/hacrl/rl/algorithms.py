@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hacrl.config.build import build
+from hacrl.config.schema import Settings, setting
 from hacrl.errors import ConfigError
 from hacrl.groups import group_index, group_normalized_advantage, group_std
 from hacrl.lazy import lazy_module
@@ -91,8 +93,9 @@ def register_loss(name: str, options: type, level: str, rows: Callable | None = 
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
-    """The options dataclass of a YAML section ``{name: ..., <options>}``; one-line errors naming
-    the key (unknown name, unknown option, invalid value)."""
+    """The options dataclass of a YAML section ``{name: ..., <options>}``: typed and checked as
+    every setting is (:func:`hacrl.config.build.build`), with one-line errors naming the key
+    (unknown name, unknown option, wrong type, a value its rule refuses)."""
     if dataclasses.is_dataclass(section):
         return section
     if not isinstance(section, dict) or not isinstance(section.get("name"), str):
@@ -106,17 +109,7 @@ def build_options(table: dict[str, Registered], section: Any, key: str):
         if k not in fields:
             raise ConfigError(f"{key}.{k}: unknown option of {name} (value {v!r}; options: "
                               f"{', '.join(sorted(fields - {'name'}))})")
-    try:
-        return reg.options(**section)
-    except ConfigError as e:
-        raise ConfigError(f"{key}.{e}") from None
-    except (TypeError, ValueError) as e:  # a value of the wrong type, e.g. alpha: "three"
-        raise ConfigError(f"{key}: invalid options {section!r} ({str(e).splitlines()[0]})") from None
-
-
-def _check(cond: bool, key: str, value: Any, why: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: invalid value {value!r} ({why})")
+    return build(reg.options, section, key)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -234,19 +227,15 @@ class LossInputs:
 # ----------------------------------------------------------------------------- GRPO / GSPO
 
 @dataclass(frozen=True)
-class GroupAdvantageOptions:
+class GroupAdvantageOptions(Settings):
     name: str = "grpo"
-    eps: float = 1e-6
+    eps: float = setting(1e-6, ge=0)
     """Added to the group's std."""
-    group_rows: str = "all"
+    group_rows: str = setting("all", choices=("all", "self"))
     """The rows whose rewards form a prompt's group statistics: ``all`` training rows of the prompt
     (for a sharing learner: own and peers' rewards pooled, as PRP and naive sharing do) or only the
     learner's ``self`` rows (SGT: its GRPO update unchanged by the injected peer successes, whose
     advantage is then 0)."""
-
-    def __post_init__(self):
-        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
-        _check(self.group_rows in ("all", "self"), "group_rows", self.group_rows, "all or self")
 
 
 @register_advantage("grpo", GroupAdvantageOptions)
@@ -263,23 +252,20 @@ def grpo_advantage(inp: AdvantageInputs, opts: GroupAdvantageOptions) -> torch.T
 
 
 @dataclass(frozen=True)
-class ClipOptions:
+class ClipOptions(Settings):
     name: str = "grpo"
-    clip_low: float = 0.2
+    clip_low: float = setting(0.2, ge=0)
     """eps_l: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
-    clip_high: float = 0.28
+    clip_high: float = setting(0.28, ge=0)
     """eps_h (0.28 as in DAPO's clip-higher)."""
 
-    def __post_init__(self):
-        _check(self.clip_low >= 0, "clip_low", self.clip_low, "must be >= 0")
-        _check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
 
 
 @dataclass(frozen=True)
 class GspoOptions(ClipOptions):
     name: str = "gspo"
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
+    clip_low: float = setting(3e-4, ge=0)
+    clip_high: float = setting(4e-4, ge=0)
 
 
 @register_loss("grpo", ClipOptions, level="token")
@@ -326,16 +312,12 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
 
 
 @dataclass(frozen=True)
-class XgrpoAdvantageOptions:
+class XgrpoAdvantageOptions(Settings):
     name: str = "xgrpo"
-    eps: float = 1e-6
-    scale: str = "pool"
+    eps: float = setting(1e-6, ge=0)
+    scale: str = setting("pool", choices=("pool", "own"))
     """Divide by the ``pool``'s reward std on the prompt, or by the learner's ``own`` group std
     (the pool's when the own group has no spread: its rewards are then all equal)."""
-
-    def __post_init__(self):
-        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
-        _check(self.scale in ("pool", "own"), "scale", self.scale, "pool or own")
 
 
 @register_advantage("xgrpo", XgrpoAdvantageOptions, needs=("reward_stats",))
@@ -398,20 +380,16 @@ def capability_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, source_i
 
 
 @dataclass(frozen=True)
-class HacpoAdvantageOptions:
+class HacpoAdvantageOptions(Settings):
     name: str = "hacpo"
-    eps: float = 1e-6
+    eps: float = setting(1e-6, ge=0)
     capability_aware: bool = True
     """Weight each source's rewards in the baseline by learner-over-source capability;
     False: the plain pooled mean (the ``-adv`` ablation)."""
-    cross_advantage: str = "learner"
+    cross_advantage: str = setting("learner", choices=("learner", "source"))
     """Open choice: cross samples take the ``learner``'s advantage A^(k) (reference) or keep the
     ``source``'s own group advantage A^(j) (as published with the record)."""
 
-    def __post_init__(self):
-        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
-        _check(self.cross_advantage in ("learner", "source"), "cross_advantage", self.cross_advantage,
-               "learner or source")
 
 
 @register_advantage("hacpo", HacpoAdvantageOptions)
@@ -427,25 +405,25 @@ def hacpo_advantage(inp: AdvantageInputs, opts: HacpoAdvantageOptions) -> torch.
 
 
 @dataclass(frozen=True)
-class HacpoLossOptions:
+class HacpoLossOptions(Settings):
     """The HACPO loss; each mechanism can be switched off alone (the paper's ablations)."""
 
     name: str = "hacpo"
-    clip_low: float = 3e-4
+    clip_low: float = setting(3e-4, ge=0)
     """Self samples: the GSPO clip ``[1 - clip_low, 1 + clip_high]``."""
-    clip_high: float = 4e-4
-    alpha: float = 1.0
+    clip_high: float = setting(4e-4, ge=0)
+    alpha: float = setting(1.0, ge=0)
     """Exponential importance sampling ``s * sg[s]^alpha`` on cross samples (paper: 1 or 3); 0 is
     the ``-expIS`` ablation."""
     cross_clip: bool = True
     """Clip cross ratios to ``[lower_m, 1]`` (zero gradient outside); False is ``-clip``."""
-    cross_clip_delta: float = 0.2
+    cross_clip_delta: float = setting(0.2, ge=0, le=1)
     """The cross clip's lower bound is ``1 - delta`` at the step's first update..."""
-    cross_clip_delta_step: float = 0.025
+    cross_clip_delta_step: float = setting(0.025, ge=0)
     """...raised by this much per update (stepwise clipping); 0 is ``-stepwise``."""
-    log_ratio_clamp: float = 10.0
+    log_ratio_clamp: float = setting(10.0, gt=0)
     """Clamp of the cross log-ratio."""
-    cross_ratio_unit: str = "source_tokens"
+    cross_ratio_unit: str = setting("source_tokens", choices=("source_tokens", "learner_tokens"))
     """The cross ratio's denominator. ``source_tokens`` (reference): the producer's mean generation
     log-prob over its own tokens, against the learner's mean over its tokens, so the ratio also
     measures how differently the two tokenizers cut the text; ``learner_tokens``: the producer's
@@ -453,24 +431,12 @@ class HacpoLossOptions:
     the per-learner-token likelihood ratio of the same text."""
     discrepancy_coef: bool = True
     """Multiply cross samples by ``omega[source, learner]``; False is ``-omega``."""
-    sg_on: str = "clipped"
+    sg_on: str = setting("clipped", choices=("clipped", "raw"))
     """Open choice: the stop-gradient factor of the exponential IS is the ``clipped`` (reference)
     or the ``raw`` ratio."""
-    aggregation: str = "pooled_mean"
+    aggregation: str = setting("pooled_mean", choices=("pooled_mean", "split"))
     """Open choice: ``pooled_mean``, one mean over all samples of the mini-batch (reference), or
     ``split``, mean(self) + mean(cross)."""
-
-    def __post_init__(self):
-        _check(self.clip_low >= 0, "clip_low", self.clip_low, "must be >= 0")
-        _check(self.clip_high >= 0, "clip_high", self.clip_high, "must be >= 0")
-        _check(self.alpha >= 0, "alpha", self.alpha, "must be >= 0")
-        _check(0 <= self.cross_clip_delta <= 1, "cross_clip_delta", self.cross_clip_delta, "must be in [0, 1]")
-        _check(self.cross_clip_delta_step >= 0, "cross_clip_delta_step", self.cross_clip_delta_step, "must be >= 0")
-        _check(self.log_ratio_clamp > 0, "log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
-        _check(self.cross_ratio_unit in ("source_tokens", "learner_tokens"), "cross_ratio_unit",
-               self.cross_ratio_unit, "source_tokens or learner_tokens")
-        _check(self.sg_on in ("clipped", "raw"), "sg_on", self.sg_on, "clipped or raw")
-        _check(self.aggregation in ("pooled_mean", "split"), "aggregation", self.aggregation, "pooled_mean or split")
 
 
 def stepwise_lower_bound(update_index: int, delta: float, delta_step: float) -> float:
@@ -544,21 +510,15 @@ class PrpOptions(ClipOptions):
     peers' retokenised rollouts alike."""
 
     name: str = "prp"
-    peer_denominator: str = "learner_snapshot"
+    peer_denominator: str = setting("learner_snapshot", choices=("learner_snapshot", "thl_aligned_peer"))
     """The ratio's denominator on a peer's tokens. ``learner_snapshot``: the learner's own old
     policy re-scoring the peer's tokens (ignores how the peer generated them; the first update's
     ratio is 1 as for its own samples); ``thl_aligned_peer``: the peer's recorded generation trace
     aligned onto the learner's tokens by THL (the ratio then measures how far the learner is from
     the policy that actually produced the text)."""
-    log_ratio_clamp: float = 10.0
+    log_ratio_clamp: float = setting(10.0, gt=0)
     """Clamp of the per-token log-ratio (a peer token the learner finds very unlikely would
     otherwise overflow)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check(self.peer_denominator in ("learner_snapshot", "thl_aligned_peer"), "peer_denominator",
-               self.peer_denominator, "learner_snapshot or thl_aligned_peer")
-        _check(self.log_ratio_clamp > 0, "log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
 
 
 def _token_clip_samples(log_ratio: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, low: float,
@@ -608,26 +568,17 @@ class SgtOptions(ClipOptions):
     plus a likelihood term on a peer's verified success for each prompt the learner failed."""
 
     name: str = "sgt"
-    nll_weight: float = 0.1
+    nll_weight: float = setting(0.1, ge=0)
     """lambda: the weight of the negative log-likelihood term."""
-    length_norm: str = "token"
+    length_norm: str = setting("token", choices=("token", "sequence"))
     """``token``: the NLL averaged over all injected tokens of the mini-batch (every token weighs
     the same); ``sequence``: each injected response's summed NLL, averaged over the responses."""
-    choose: str = "shortest"
+    choose: str = setting("shortest", choices=("shortest", "random", "learner_logprob"))
     """Which of a prompt's peer successes is injected: the ``shortest`` in the learner's tokens,
     a ``random`` one (drawn from the update's seed), or the one of highest mean
     ``learner_logprob`` under the learner's policy before the step (the easiest to absorb)."""
-    max_rescues: int = 1
+    max_rescues: int = setting(1, ge=1)
     """k: at most this many peer successes injected per prompt."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check(self.nll_weight >= 0, "nll_weight", self.nll_weight, "must be >= 0")
-        _check(self.length_norm in ("token", "sequence"), "length_norm", self.length_norm, "token or sequence")
-        _check(self.choose in ("shortest", "random", "learner_logprob"), "choose", self.choose,
-               "shortest, random or learner_logprob")
-        _check(isinstance(self.max_rescues, int) and self.max_rescues >= 1, "max_rescues", self.max_rescues,
-               "an integer >= 1")
 
 
 def sgt_gate(rewards: torch.Tensor, group_ids: torch.Tensor, is_self: torch.Tensor,

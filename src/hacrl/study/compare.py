@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hacrl.config import schema as config_mod
-from hacrl.pipeline import stages
+from hacrl.config.schema import Config
+from hacrl.errors import ConfigError
+from hacrl.pipeline import params, stages
 from hacrl.storage import RunLayout, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -180,14 +181,14 @@ TRAIN_KEYS = ("cross_objective_share", "cross_gradient_share", "cross_ratio_mean
 EVAL_KEYS = ("rescued_now_accuracy", "rescued_now_n", "rescued_before_accuracy", "rescued_before_n")
 
 
-def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> config_mod.Config:
-    data = config_mod.compose(overrides)
+def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> Config:
+    data = params.compose(overrides)
     data["experiment"]["runs_dir"] = str(runs_dir)
     data["experiment"]["reports_dir"] = str(reports_dir)
-    return config_mod.from_dict(data)
+    return params.from_dict(data)
 
 
-def prepare_base(base_overrides: list[str], out: Path) -> config_mod.Config:
+def prepare_base(base_overrides: list[str], out: Path) -> Config:
     """Task data, pool and the iteration-0 evaluation, once; reused while the config is the same."""
     base = out / "base"
     cfg = _cfg(base_overrides, base / "runs", base / "reports")
@@ -570,15 +571,15 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     every contender's config is composed and validated and the plan returned as text; nothing
     runs."""
     if suite not in SUITES:
-        raise config_mod.ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
+        raise ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
     if setting not in spec["settings"]:
-        raise config_mod.ConfigError(f"setting: invalid value {setting!r} (choose from {', '.join(spec['settings'])})")
+        raise ConfigError(f"setting: invalid value {setting!r} (choose from {', '.join(spec['settings'])})")
     st = spec["settings"][setting]
     chosen = contenders or list(st["contenders"])
     unknown = [c for c in chosen if c not in spec["all"]]
     if unknown:
-        raise config_mod.ConfigError(f"contenders: invalid value {unknown} (choose from {', '.join(spec['all'])})")
+        raise ConfigError(f"contenders: invalid value {unknown} (choose from {', '.join(spec['all'])})")
     base_overrides = st["base"] + list(overrides or [])
     out = Path(work_dir).resolve() / suite / setting
     if dry_run:

@@ -122,7 +122,7 @@ def scratch_workspace(size: str, ws: Path, project: Path) -> None:
 
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
-    from hacrl.config import schema as config_mod
+    from hacrl.pipeline import params
     from hacrl.pipeline import stages
     from hacrl.ops.orchestration import ITERATION_STAGES, stage_id
     from hacrl.ops.services import serve, stop
@@ -130,9 +130,9 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     project = Path(".").resolve()
     ws = work_dir / "ws"
     scratch_workspace(size, ws, project)
-    cfg = config_mod.load(ws / "params.yaml")
+    cfg = params.load(ws / "params.yaml")
     t = 1
-    direct_cfg = config_mod.load(ws / "params.yaml")
+    direct_cfg = params.load(ws / "params.yaml")
     direct_cfg.tracking.enabled = False
     per_stage: dict[str, list[float]] = {s: [] for s in ITERATION_STAGES}
 

@@ -172,12 +172,12 @@ def corpus(size: str, seed: int = 0) -> list[Item]:
 
 def bench_config(work_dir: Path, timeout_s: float = TIMEOUT_S, workers: int | None = None):
     """The miniature pool's config with runs under ``work_dir`` (tracking off)."""
-    from hacrl.config import schema as config
+    from hacrl.pipeline import params
 
     overrides = ["experiment=smoke", "agents=tiny", f"reward.timeout_s={timeout_s}"]
     if workers is not None:
         overrides.append(f"reward.workers={workers}")
-    cfg = config.from_dict(config.compose(overrides))
+    cfg = params.from_dict(params.compose(overrides))
     cfg.tracking.enabled = False
     cfg.experiment.runs_dir = str(work_dir / "runs")
     return cfg

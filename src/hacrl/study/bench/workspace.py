@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from hacrl.config import schema as config_mod
+from hacrl.pipeline import params
 from hacrl.config.schema import Config
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,11 @@ def workspace(size: str, work_dir: Path, project: Path = Path("."), overrides: t
     work_dir = work_dir.resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     if size == "smoke":
-        cfg = config_mod.from_dict(config_mod.compose([*SMOKE, *overrides]))
+        cfg = params.from_dict(params.compose([*SMOKE, *overrides]))
     elif overrides or not (project / "params.yaml").exists():
-        cfg = config_mod.from_dict(config_mod.compose(list(overrides)))
+        cfg = params.from_dict(params.compose(list(overrides)))
     else:
-        cfg = config_mod.load(project / "params.yaml")
+        cfg = params.load(project / "params.yaml")
     cfg.tracking.enabled = False
     cfg.experiment.runs_dir = str(work_dir / "runs")
     ready = size != "smoke" and not overrides and (project / "data" / "tasks").is_dir() and \

@@ -1,0 +1,113 @@
+"""Start-up checks of a whole config: what one setting's rule cannot see.
+
+A setting's type and its own rule are checked where it is declared (:mod:`hacrl.config.schema`);
+here, before any stage does work, the config is checked against the parts of the package its
+choices name: the registered advantage estimators and losses (their options built into their
+dataclasses), the record types and verdicts of a subscription, the engine table, the
+architectures, tokenizers and task levels that exist, the offline fetchers, the resource plan,
+and paths on disk. It sits above those modules (each owns its own table of names) and imports
+none of torch, transformers or MLflow: ``hacrl config`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hacrl.agents import pool, pretrained
+from hacrl.config.schema import Config, check
+from hacrl.exchange import experience
+from hacrl.rl import algorithms
+from hacrl.rollout.table import ENGINES
+from hacrl.task import data as task_data
+from hacrl.task import rewards
+from hacrl import resources
+
+
+def validate(cfg: Config) -> Config:
+    """Check what a stage relies on across settings and modules; raise ConfigError naming the
+    first bad key. The algorithm's ``advantage`` and ``loss`` sections become their options
+    dataclasses. Returns ``cfg``."""
+    _algorithm(cfg)
+    check(cfg.rollout.engine in ENGINES, "rollout.engine", cfg.rollout.engine,
+          f"known engines: {', '.join(ENGINES)}")
+    resources.check(cfg.resources, [ag.name for ag in cfg.agents])  # a demand no device meets fails here
+    d = cfg.data
+    if d.source == "procedural":
+        for lvl, w in d.levels.items():
+            check(lvl in task_data.GENERATORS, f"data.levels.{lvl}", w,
+                  f"unknown level; choose from {', '.join(task_data.GENERATORS)}")
+    else:
+        for k in ("train_path", "heldout_path"):
+            p = getattr(d, k)
+            check(bool(p) and Path(p).exists(), f"data.{k}", p, "file does not exist")
+    _agents(cfg)
+    return cfg
+
+
+def _algorithm(cfg: Config) -> None:
+    a = cfg.algorithm
+    a.advantage = algorithms.build_options(algorithms.ADVANTAGES, a.advantage, "algorithm.advantage")
+    a.loss = algorithms.build_options(algorithms.LOSSES, a.loss, "algorithm.loss")
+    layouts = algorithms.LOSSES[a.loss.name].layouts
+    if layouts is not None:
+        check(a.minibatch_order in layouts, "algorithm.minibatch_order", a.minibatch_order,
+              f"the {a.loss.name} loss works under {' or '.join(layouts)} only")
+    if a.minibatch_order == "source_blocks":  # as the reference trainer validates its sizes
+        per_update = cfg.trainer.mini_batch_prompts * cfg.rollout.group_size
+        check(per_update % cfg.samples_per_prompt == 0, "trainer.mini_batch_prompts", cfg.trainer.mini_batch_prompts,
+              f"source_blocks: a mini-batch of {per_update} samples is not a whole number of prompt groups "
+              f"of {cfg.samples_per_prompt} samples")
+        mb = per_update // cfg.samples_per_prompt
+        check(cfg.rollout.prompts_per_iteration % mb == 0, "rollout.prompts_per_iteration",
+              cfg.rollout.prompts_per_iteration,
+              f"source_blocks: a source block of {cfg.rollout.prompts_per_iteration} prompts is not a whole "
+              f"number of mini-batches of {mb} prompts")
+    kinds = [s.record_type for s in a.subscription]
+    for i, s in enumerate(a.subscription):
+        key = f"algorithm.subscription[{i}]"
+        check(s.record_type in experience.RECORD_TYPES, f"{key}.record_type", s.record_type,
+              f"choose from {', '.join(experience.RECORD_TYPES)}")
+        if s.verdicts is not None:
+            check(s.record_type in experience.TRAJECTORY_TYPES, f"{key}.verdicts", s.verdicts,
+                  f"{s.record_type} records carry no verdict")
+            check(all(v in rewards.VERDICTS for v in s.verdicts), f"{key}.verdicts", s.verdicts,
+                  f"verdicts are {', '.join(rewards.VERDICTS)}")
+        for j, o in enumerate(a.subscription[:i]):  # a record must not reach the learner twice
+            same_rows = (s.record_type in experience.TRAJECTORY_TYPES) == (o.record_type in experience.TRAJECTORY_TYPES)
+            overlap = "all" in (s.producers, o.producers) or s.producers == o.producers
+            check(not (same_rows and overlap), key, dataclasses.asdict(s),
+                  f"overlaps stream {j} ({o.record_type} from {o.producers}): records would count twice")
+    check(any(k in experience.TRAJECTORY_TYPES for k in kinds), "algorithm.subscription", kinds,
+          "no stream gives training rows (trajectory or verified_success)")
+    for need in algorithms.ADVANTAGES[a.advantage.name].needs:
+        check(need in kinds, "algorithm.subscription", kinds, f"the {a.advantage.name} advantage needs a {need} stream")
+    if a.shares:
+        check(len(cfg.agents) >= 2, "algorithm.subscription", kinds, "sharing needs at least 2 agents")
+
+
+def _agents(cfg: Config) -> None:
+    check(len(cfg.agents) >= 1, "agents", cfg.agents, "the pool needs at least one agent")
+    names = set()
+    for i, ag in enumerate(cfg.agents):
+        key = f"agents[{i}]"
+        check(bool(ag.name) and ag.name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+              and not ag.name.startswith("."), f"{key}.name", ag.name, "letters, digits, '-', '_' and '.' only")
+        check(ag.name not in names, f"{key}.name", ag.name, "duplicate agent name")
+        names.add(ag.name)
+        if ag.fetch is not None:
+            check(ag.fetch in pretrained.FETCHERS, f"{key}.fetch", ag.fetch,
+                  f"choose from {', '.join(pretrained.FETCHERS)}")
+            check(ag.path is not None, f"{key}.path", ag.path, "a fetched model needs the directory to write it to")
+        elif ag.path is not None:
+            check(Path(ag.path).is_dir(), f"{key}.path", ag.path, "model path does not exist")
+            check((Path(ag.path) / "config.json").is_file(), f"{key}.path", ag.path,
+                  "no config.json: not a Hugging Face model directory")
+            tok = Path(ag.tokenizer.path or ag.path)
+            check(tok.is_dir() and any((tok / f).is_file() for f in pool.TOKENIZER_FILES),
+                  f"{key}.tokenizer.path" if ag.tokenizer.path else f"{key}.path", str(tok),
+                  f"no tokenizer files ({', '.join(pool.TOKENIZER_FILES)})")
+        else:
+            check(ag.arch in pool.ARCHS, f"{key}.arch", ag.arch, f"choose from {', '.join(pool.ARCHS)}")
+            check(ag.tokenizer.kind in pool.SPECIALS, f"{key}.tokenizer.kind", ag.tokenizer.kind,
+                  f"unknown tokenizer kind; choose from {', '.join(pool.SPECIALS)}")
