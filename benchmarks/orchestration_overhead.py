@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from hacrl.config.schema import Config
-from hacrl.pipeline import params
-from hacrl.ops.orchestration import ITERATION_STAGES, stage_id, stale_stages
-from hacrl.pipeline.stages import STAGES
+from hacrl.ops.orchestration import stale_stages
+from hacrl.pipeline import params, table
+from hacrl.pipeline.table import iteration_stages, stage_id
 from hacrl.storage import RunLayout
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -48,9 +48,9 @@ def direct(cfg: Config, t: int) -> dict[str, float]:
         shutil.copytree(lay.it(t - 1), tmp / "runs" / f"it{t - 1}")
         cfg.experiment.runs_dir = str(tmp / "runs")
         times = {}
-        for s in ITERATION_STAGES:
+        for s in iteration_stages():
             t0 = time.time()
-            STAGES[s](cfg, t)
+            table.run(s, cfg, t)
             times[s] = time.time() - t0
         return times
     finally:
@@ -59,7 +59,7 @@ def direct(cfg: Config, t: int) -> dict[str, float]:
 
 def dvc_stages(t: int) -> float:
     t0 = time.time()
-    for s in ITERATION_STAGES:
+    for s in iteration_stages():
         p = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", stage_id(s, t)],
                            cwd=PROJECT, env=_env(), capture_output=True, text=True)
         if p.returncode != 0:
@@ -127,7 +127,7 @@ def main() -> int:
     for k, v in rows.items():
         print(f"{k:44s} {v:8.1f} {v - direct_total:+9.1f}")
     print("\nper stage, direct vs inside the stage process under Prefect (MLflow stage_wall_s):")
-    for s in ITERATION_STAGES:
+    for s in iteration_stages():
         print(f"  {s:26s} {d[s]:6.1f} {report_s.get(s, float('nan')):6.1f}")
     out = PROJECT / cfg.experiment.reports_dir / "orchestration_overhead.json"
     out.parent.mkdir(exist_ok=True)

@@ -28,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.pipeline import params, table
+from hacrl.pipeline.common import split
+from hacrl.pipeline.engines import vllm_python
+from hacrl.pipeline.stages.generate_rollouts import logprob_gap
 from hacrl.storage import RunLayout
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -54,21 +56,22 @@ def _timed(timings: dict, name: str, fn, *args):
 def iteration(cfg, t: int, live: dict | None = None) -> tuple[dict, dict]:
     """Seconds per stage of iteration ``t`` and the rollout stats."""
     timings: dict = {}
-    roll = _timed(timings, "generate-rollouts", stages.generate_rollouts, cfg, t, live)
+    roll = _timed(timings, "generate-rollouts", table.run, "generate-rollouts", cfg, t, live)
     for name in ("verify-rewards", "exchange-and-align", "compute-capability-stats", "update-policies", "evaluate"):
-        _timed(timings, name, stages.STAGES[name], cfg, t)
+        _timed(timings, name, table.run, name, cfg, t)
     return timings, roll
 
 
 def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -> list[dict]:
     """transformers against vLLM on the same checkpoint, prompts and sampling parameters."""
     from hacrl.task import data as task_data
-    from hacrl.rollout.engine import HFEngine, SamplingParams
+    from hacrl.rollout.engine import SamplingParams
+    from hacrl.rollout.hf import HFEngine
     from hacrl.agents.pool import load_agent
     from hacrl.rollout.vllm_engine import VLLMEngine
 
     ac = next(a for a in cfg.agents if a.name == SMOL)
-    prompts = task_data.prompts_for_iteration(stages._split(cfg, "train"), n_prompts, cfg.experiment.seed, 99)
+    prompts = task_data.prompts_for_iteration(split(cfg, "train"), n_prompts, cfg.experiment.seed, 99)
     params = SamplingParams(n=n_samples, temperature=1.0, top_p=1.0, max_new_tokens=tokens, seed=7)
     rows = []
     for dtype in ("fp32", "bf16"):
@@ -78,7 +81,7 @@ def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -
         comps = HFEngine(agent.model, agent.tokenizer, batch_size=n_prompts * n_samples).generate(rendered, params)
         hf_s = time.time() - t0
         hf_tok = sum(len(c.token_ids) for c in comps)
-        eng = VLLMEngine(ckpt, agent.tokenizer, python=stages.vllm_python(cfg.engines.vllm_python),
+        eng = VLLMEngine(ckpt, agent.tokenizer, python=vllm_python(cfg.engines.vllm_python),
                          max_model_len=min(4096, agent.model.config.max_position_embeddings),
                          dtype="bfloat16" if dtype == "bf16" else "float32", threads=cfg.experiment.threads,
                          kv_cache_gib=cfg.engines.vllm_kv_cache_gib)
@@ -89,7 +92,7 @@ def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -
         finally:
             eng.close()
         v_tok = sum(len(c.token_ids) for c in vcomps)
-        gap = stages.logprob_gap(agent.model, vcomps, agent.tokenizer.pad_token_id, 1.0, 64)
+        gap = logprob_gap(agent.model, vcomps, agent.tokenizer.pad_token_id, 1.0, 64)
         rows.append({"dtype": dtype, "sequences": len(comps),
                      "hf_tokens": hf_tok, "hf_s": round(hf_s, 1), "hf_tokens_per_s": round(hf_tok / hf_s, 1),
                      "vllm_tokens": v_tok, "vllm_s": round(v_s, 1), "vllm_tokens_per_s": round(v_tok / v_s, 1),
@@ -105,7 +108,7 @@ def world_sizes(work: Path, t: int) -> list[dict]:
     for ws in (1, 2):
         cfg = _cfg(work, "rollout.engine=vllm", f"trainer.world_size={ws}", "trainer.zero_stage=1")
         t0 = time.time()
-        stats = stages.update_policies(cfg, t)
+        stats = table.run("update-policies", cfg, t)
         wall = time.time() - t0
         s = stats[SMOL]
         rows.append({"world_size": ws, "samples": s["samples"], "update_s": s["seconds"], "stage_s": round(wall, 1),
@@ -132,8 +135,8 @@ def main() -> None:
     hf = _cfg(work, "rollout.engine=hf")
     prep: dict = {}
     for name in ("prepare-data", "prepare-pool"):
-        _timed(prep, name, stages.STAGES[name], hf, 0)
-    _timed(prep, "evaluate-warmup", stages.evaluate, hf, 0)
+        _timed(prep, name, table.run, name, hf, 0)
+    _timed(prep, "evaluate-warmup", table.run, "evaluate", hf, 0)
     it1, roll1 = iteration(hf, 1)
     result["iteration_hf"] = {"prepare": prep, "stages": it1, "rollouts": roll1}
 
@@ -144,7 +147,7 @@ def main() -> None:
     live: dict = {}
     try:
         it2, roll2 = iteration(vl, 2, live)
-        roll3 = stages.generate_rollouts(vl, 3, live)
+        roll3 = table.run("generate-rollouts", vl, 3, live)
     finally:
         for e in live.values():
             e.close()

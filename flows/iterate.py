@@ -22,9 +22,10 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
 from hacrl.pipeline import params  # noqa: E402
-from hacrl.ops.orchestration import (INPUT_STAGE, ITERATION_STAGES, PREPARE_STAGES, IterationFailed,  # noqa: E402
-                                 StageFailed, device_tags, gpu_stages, iteration_markdown, plan_iteration,
-                                 stage_devices, stage_id, workspace_lock)
+from hacrl.ops.orchestration import (IterationFailed, StageFailed, device_tags, gpu_stages,  # noqa: E402
+                                     iteration_markdown, plan_iteration, stage_devices, workspace_lock)
+from hacrl.pipeline import table  # noqa: E402
+from hacrl.pipeline.table import INPUT_STAGE, stage_id  # noqa: E402
 from hacrl.resources import plan_for  # noqa: E402
 from tasks.stages import dvc_stage, ensure_device_limits, gpu_stage  # noqa: E402
 
@@ -102,7 +103,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         # MWRA: each stage task is tagged with the devices its jobs hold (one slot per device),
         # and a stage with jobs on GPUs goes to the GPU pool
         rplan = plan_for(cfg)
-        tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*PREPARE_STAGES, *ITERATION_STAGES)}
+        prepare, iteration_stages = table.prepare_stages(), table.iteration_stages()
+        tags = {s: device_tags(stage_devices(cfg, s, rplan)) for s in (*prepare, *iteration_stages)}
         ensure_device_limits(sorted({x for v in tags.values() for x in v}))
         on_gpu = gpu_stages(cfg)
         done: dict[str, str] = {}
@@ -114,11 +116,11 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
                 try:
                     if s in on_gpu:
                         done[sid] = gpu_stage.with_options(tags={*gpu_stage.tags, *tags[s]}, **opts)(
-                            str(project), sid, force and s in ITERATION_STAGES, o.gpu_routing, o.gpu_pool,
+                            str(project), sid, force and s in iteration_stages, o.gpu_routing, o.gpu_pool,
                             o.gpu_deployment)
                     else:
                         done[sid] = dvc_stage.with_options(tags={*dvc_stage.tags, *tags.get(s, ())}, **opts)(
-                            str(project), sid, force and s in ITERATION_STAGES)
+                            str(project), sid, force and s in iteration_stages)
                 except StageFailed as e:  # one line: the stage and why (the task's log has the rest)
                     _track(project, cfg, logger)
                     failure = IterationFailed(t, sid, e.reason)
@@ -126,8 +128,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
                     raise failure from None
 
         if plan.prepare:  # which iterations that leaves to do is known once it ran: plan again then
-            logger.info("preparing first: %s", ", ".join([*plan.inputs, *PREPARE_STAGES]))
-            run([(INPUT_STAGE, s) for s in plan.inputs] + [(s, s) for s in PREPARE_STAGES], None)
+            logger.info("preparing first: %s", ", ".join([*plan.inputs, *prepare]))
+            run([(INPUT_STAGE, s) for s in plan.inputs] + [(s, s) for s in prepare], None)
             plan = plan_iteration(project, iteration)
             if plan.iteration is None:
                 raise IterationFailed(None, ", ".join(sorted(plan.stale)), "still stale after preparing")
@@ -135,8 +137,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
         _name_run(f"iterate-it{t}")
         logger.info("iteration %d of %d%s", t, plan.configured, " (experiment extended by one)" if plan.extended
                     else "")
-        run([(s, stage_id(s, t)) for s in ITERATION_STAGES] + ([("report", "report")] if t == plan.configured else []),
-            t)
+        report = [(s.name, s.name) for s in table.STAGES if s.kind == table.REPORT]
+        run([(s, stage_id(s, t)) for s in iteration_stages] + (report if t == plan.configured else []), t)
         _track(project, cfg, logger)
         _publish(project, cfg, t, done, logger)
     logger.info("iteration %d done: %s", t, ", ".join(f"{s} {what}" for s, what in done.items()))

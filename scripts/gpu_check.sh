@@ -40,15 +40,16 @@ if not on_cpu and not torch.cuda.is_available():
     sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (is the project's torch a CUDA build?)")
 
 project = Path.cwd()
-from hacrl.config import schema as config
-from hacrl.pipeline import stages# noqa: E402
+from hacrl.pipeline import params, table  # noqa: E402
+from hacrl.pipeline.common import resource_plan  # noqa: E402
+from hacrl.pipeline.engines import vllm_python  # noqa: E402
 
 n = 0 if on_cpu else torch.cuda.device_count()
 gib = [round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1) for i in range(n)]
 gpu_name = "none (HACRL_GPU_CHECK_ON_CPU)" if on_cpu else torch.cuda.get_device_name(0)
 engine = args.engine
 if engine == "auto":
-    engine = "vllm" if stages.vllm_python(".venv-vllm/bin/python").exists() else "hf"
+    engine = "vllm" if vllm_python(".venv-vllm/bin/python").exists() else "hf"
 devices = "[" + ", ".join(f"{{id: 'cuda:{i}', memory_gib: {gib[i]}}}" for i in range(n)) + "]" if n else "[{id: cpu}]"
 overrides = [f"agents={args.agents}", "algorithm=hacpo", "experiment.iterations=1", "tracking.enabled=false",
              f"rollout.engine={engine}", f"rollout.prompts_per_iteration={args.prompts}",
@@ -58,14 +59,14 @@ overrides = [f"agents={args.agents}", "algorithm=hacpo", "experiment.iterations=
              f"eval.max_new_tokens={args.tokens}", "eval.batch_size=256", f"experiment.threads={os.cpu_count()}",
              f"resources.devices={devices}"]
 work = Path(tempfile.mkdtemp(prefix="hacrl-gpu-check-"))
-data = config.compose(overrides)
+data = params.compose(overrides)
 data["experiment"]["runs_dir"] = str(work / "runs")
 data["experiment"]["reports_dir"] = str(work / "reports")
-cfg = config.from_dict(data)
+cfg = params.from_dict(data)
 os.chdir(work)
 print(f"gpu_check: {n} GPU(s) {gpu_name} ({gib} GiB), torch {torch.__version__}, "
       f"engine {engine}, dtype {args.dtype}, workspace {work}")
-print(stages.resource_plan(cfg).describe())
+print(resource_plan(cfg).describe())
 
 
 class PeakMemory:
@@ -105,16 +106,16 @@ def stage(name, fn, *a, tokens=None):
     return out
 
 
-stage("prepare-data", stages.prepare_data, cfg)
-stage("prepare-pool", stages.prepare_pool, cfg)
-stage("evaluate-warmup", stages.evaluate, cfg, 0)
-roll = stage("generate-rollouts", stages.generate_rollouts, cfg, 1, tokens=lambda s: sum(v["tokens"] for v in s.values()))
-stage("verify-rewards", stages.verify_rewards, cfg, 1)
-stage("exchange-and-align", stages.exchange_and_align, cfg, 1)
-stage("compute-capability-stats", stages.compute_capability_stats, cfg, 1)
-upd = stage("update-policies", stages.update_policies, cfg, 1,
+stage("prepare-data", table.run, "prepare-data", cfg)
+stage("prepare-pool", table.run, "prepare-pool", cfg)
+stage("evaluate-warmup", table.run, "evaluate", cfg, 0)
+roll = stage("generate-rollouts", table.run, "generate-rollouts", cfg, 1, tokens=lambda s: sum(v["tokens"] for v in s.values()))
+stage("verify-rewards", table.run, "verify-rewards", cfg, 1)
+stage("exchange-and-align", table.run, "exchange-and-align", cfg, 1)
+stage("compute-capability-stats", table.run, "compute-capability-stats", cfg, 1)
+upd = stage("update-policies", table.run, "update-policies", cfg, 1,
             tokens=lambda s: sum(v.get("tokens_per_s", 0) * v.get("seconds", 0) for v in s.values()))
-stage("evaluate", stages.evaluate, cfg, 1)
+stage("evaluate", table.run, "evaluate", cfg, 1)
 wall = time.time() - t_all
 print(f"total {wall:.1f} s (goal: under 300 s)")
 for a, s in roll.items():

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import SMOKE
 from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.pipeline import table
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
 from hacrl.rl.trainer import WORLD_FILE
@@ -40,10 +40,10 @@ def ready(tmp_path_factory):
     os.chdir(tmp)
     try:
         cfg = cfg_for(tmp)
-        stages.prepare_data(cfg)
-        stages.prepare_pool(cfg)
-        stages.generate_rollouts(cfg, 1)
-        stages.verify_rewards(cfg, 1)
+        table.run("prepare-data", cfg)
+        table.run("prepare-pool", cfg)
+        table.run("generate-rollouts", cfg, 1)
+        table.run("verify-rewards", cfg, 1)
         # the tiny pool barely solves anything after its short warm-up: set verdicts with spread
         # inside each prompt group (as the verifier writes them) so that the update moves weights
         lay = RunLayout(cfg.experiment.runs_dir)
@@ -54,8 +54,8 @@ def ready(tmp_path_factory):
             rw["verdict"] = ["correct" if g else "wrong" for g in good]
             rw["reward"] = [1.0 if g else 0.0 for g in good]
             write_records(path, rw, "verdict")
-        stages.exchange_and_align(cfg, 1)
-        stages.compute_capability_stats(cfg, 1)
+        table.run("exchange-and-align", cfg, 1)
+        table.run("compute-capability-stats", cfg, 1)
         yield tmp
     finally:
         os.chdir(cwd)
@@ -71,7 +71,7 @@ def run_update(ready, extra):
         root = ready / ("u" + str(len(_RUNS)))
         shutil.copytree(ready / "runs", root / "runs")
         cfg = cfg_for(root, extra)
-        _RUNS[key] = (cfg, stages.update_policies(cfg, 1))
+        _RUNS[key] = (cfg, table.run("update-policies", cfg, 1))
     return _RUNS[key]
 
 
@@ -142,7 +142,7 @@ def test_a_failing_rank_fails_the_stage_and_leaves_no_checkpoint(ready, tmp_path
     from hacrl.pipeline.update_worker import WorkerFailed
 
     with pytest.raises(WorkerFailed, match=r"update of .*: rank \d of 2 exited with"):
-        stages.update_policies(cfg, 1)
+        table.run("update-policies", cfg, 1)
     assert not lay.checkpoints(1).exists() and not lay.train_state(1).exists()
 
 
@@ -168,7 +168,7 @@ def test_mwra_runs_two_learners_at_once_on_two_cpu_shares_with_the_same_result(r
     """The planner puts the two learners' updates in one wave (disjoint cpu shares); the stage
     runs them at once, each as its own process with one of the two cores. Placement changes
     where and when, not what: the weights equal the one-at-a-time update's."""
-    from hacrl.pipeline.stages import resource_plan
+    from hacrl.pipeline.common import resource_plan
 
     cfg1, s1 = run_update(ready, [])
     cfg, s = run_update(ready, [SHARES])
@@ -186,8 +186,8 @@ def test_mwra_runs_two_learners_at_once_on_two_cpu_shares_with_the_same_result(r
     # seeds give the same tokens whatever the plan
     shutil.copytree(cfg1.experiment.runs_dir, tmp_path / "runs")
     c = cfg_for(tmp_path, [SHARES])
-    stages.generate_rollouts(c, 2)
-    stages.generate_rollouts(cfg1, 2)
+    table.run("generate-rollouts", c, 2)
+    table.run("generate-rollouts", cfg1, 2)
     for ac in c.agents:
         a = read_records(RunLayout(c.experiment.runs_dir).rollouts(2) / f"{ac.name}.parquet", "rollout")
         b = read_records(RunLayout(cfg1.experiment.runs_dir).rollouts(2) / f"{ac.name}.parquet", "rollout")

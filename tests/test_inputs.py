@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hacrl.ops.inputs import DamagedInput, dvc_stage_id, verify
+from hacrl.ops.inputs import DamagedInput, verify
+from hacrl.pipeline.table import dvc_stage_id
 from hacrl.ops.tracking import dvc_hash, file_md5
 
 DVC_YAML = {"stages": {

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import make_agent
-from hacrl.rollout.engine import HFEngine, SamplingParams
+from hacrl.rollout.engine import SamplingParams
+from hacrl.rollout.hf import HFEngine
 from hacrl.agents.scoring import pack, token_logprobs
 
 

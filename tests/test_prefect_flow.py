@@ -26,7 +26,8 @@ import pytest
 from conftest import SMOKE, dvc_workspace
 
 from hacrl.ops.launch import flow_failure
-from hacrl.ops.orchestration import ITERATION_STAGES, workspace_lock
+from hacrl.ops.orchestration import workspace_lock
+from hacrl.pipeline.table import iteration_stages
 from hacrl.ops.services import client_env
 
 pytestmark = pytest.mark.slow
@@ -140,7 +141,7 @@ def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(ser
     assert f"]({mlflow_ui}/#/experiments/" in art["data"] and "/models/m-" in art["data"]
     assert "generate-rollouts@it1 ran" in art["data"]
     tasks = _task_runs(served, runs[0]["id"])
-    for s in ITERATION_STAGES:
+    for s in iteration_stages():
         assert tasks[f"{s}@it1"]["state_type"] == "COMPLETED", tasks.keys()
     assert {"prepare-data", "prepare-pool", "evaluate-warmup", "report"} <= set(tasks)
     # MWRA: the stage tasks hold the devices their jobs use, one slot per device tag

@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.pipeline import params, table
+from hacrl.pipeline.engines import vllm_python
+from hacrl.pipeline.in_process import run_in_process
 from hacrl.exchange.experience import read_records
 from hacrl.storage import RunLayout
 
@@ -38,7 +39,7 @@ def test_smollm2_pool_through_the_stages_with_both_engines(tmp_path):
     os.chdir(tmp_path)
     try:
         hf = _cfg(tmp_path, "hf", 1)
-        timings = stages.run_in_process(hf, iterations=1)
+        timings = run_in_process(hf, iterations=1)
         assert {"prepare-pool", "generate-rollouts", "update-policies", "evaluate"} <= set(timings)
         assert (tmp_path / "models" / "SmolLM2-135M-Instruct" / "config.json").exists()
         lay = RunLayout(hf.experiment.runs_dir)
@@ -51,17 +52,17 @@ def test_smollm2_pool_through_the_stages_with_both_engines(tmp_path):
         for a in ("smollm2-135m", "qwen2-embedded"):
             assert lay.checkpoint(1, a).is_dir()
 
-        if not stages.vllm_python(hf.engines.vllm_python).exists():
+        if not vllm_python(hf.engines.vllm_python).exists():
             if os.environ.get("HACRL_REQUIRE_VLLM") == "1":
                 pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")
             pytest.skip("no vLLM environment (make setup-vllm)")
         vl = _cfg(tmp_path, "vllm", 3)
         live: dict = {}
         try:
-            first = stages.generate_rollouts(vl, 2, live)
+            first = table.run("generate-rollouts", vl, 2, live)
             for name in ("verify-rewards", "exchange-and-align", "compute-capability-stats", "update-policies"):
-                stages.STAGES[name](vl, 2)
-            second = stages.generate_rollouts(vl, 3, live)
+                table.run(name, vl, 2)
+            second = table.run("generate-rollouts", vl, 3, live)
         finally:
             for e in live.values():
                 e.close()

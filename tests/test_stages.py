@@ -8,7 +8,8 @@ import pytest
 from conftest import SMOKE
 
 from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.rl.rescues import RESCUED_FILE
+from hacrl.pipeline import table
 from hacrl.errors import NonFiniteLossError
 from hacrl.exchange.experience import read_records, write_records
 from test_experience import plain
@@ -31,10 +32,10 @@ def pipeline(tmp_path_factory):
     os.chdir(tmp)  # data/ is relative to the working directory, as under dvc
     try:
         cfg = smoke_config(tmp, ["algorithm=gspo"])
-        stages.prepare_data(cfg)
-        stages.prepare_pool(cfg)
+        table.run("prepare-data", cfg)
+        table.run("prepare-pool", cfg)
         for name in ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats"):
-            stages.STAGES[name](cfg, 1)
+            table.run(name, cfg, 1)
         yield cfg, tmp
     finally:
         os.chdir(cwd)
@@ -94,7 +95,7 @@ def test_nan_loss_fails_the_stage_without_a_checkpoint(pipeline):
     write_records(f, bad, "learner_input")
     try:
         with pytest.raises(NonFiniteLossError):
-            stages.update_policies(cfg, 1)
+            table.run("update-policies", cfg, 1)
         assert not lay.checkpoints(1).exists() and not lay.train_state(1).exists()
         assert not list(lay.it(1).glob(".tmp-*")), "no half-written checkpoint may remain"
     finally:
@@ -104,12 +105,12 @@ def test_nan_loss_fails_the_stage_without_a_checkpoint(pipeline):
 def test_update_and_evaluate_finish_the_iteration(pipeline):
     cfg, _ = pipeline
     lay = RunLayout(cfg.experiment.runs_dir)
-    stats = stages.update_policies(cfg, 1)
+    stats = table.run("update-policies", cfg, 1)
     for a in cfg.agents:
         assert (lay.checkpoint(1, a.name) / "config.json").exists()
         assert stats[a.name]["updates"] == 2
-    stages.evaluate(cfg, 0)
-    m = stages.evaluate(cfg, 1)
+    table.run("evaluate", cfg, 0)
+    m = table.run("evaluate", cfg, 1)
     assert set(m["agents"]) == {a.name for a in cfg.agents}
     hist = read_json(lay.history(1))
     assert [h["iteration"] for h in hist["iterations"]] == [0, 1]
@@ -126,7 +127,7 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
     shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
     cfg_s = smoke_config(tmp_path, [f"algorithm={algo}", *extra])
     lay = RunLayout(cfg_s.experiment.runs_dir)
-    ex = stages.exchange_and_align(cfg_s, 1)
+    ex = table.run("exchange-and-align", cfg_s, 1)
     a, b = cfg_s.agents
     inp = read_records(lay.learner_input(1, a.name), "learner_input")
     assert ex[a.name]["cross"] == (~inp["is_self"]).sum() == 64 and inp["is_self"].sum() == 64
@@ -165,8 +166,8 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
             assert sum(row.behavior_logprobs_aligned) == pytest.approx(sum(lps), abs=1e-6)
             checked += 1
     assert checked >= 16
-    stages.compute_capability_stats(cfg_s, 1)
-    stats = stages.update_policies(cfg_s, 1)[a.name]
+    table.run("compute-capability-stats", cfg_s, 1)
+    stats = table.run("update-policies", cfg_s, 1)[a.name]
     assert stats["cross_samples"] == 64
     if extra:  # self_first: ceil(P / B) = 2 updates; mini-batch 0 the 64 self samples, 1 the cross
         assert stats["updates"] == 2 and stats["first_ratio_mean"] == 1.0
@@ -195,15 +196,15 @@ def test_xgrpo_trains_on_its_own_rows_with_the_pools_reward_statistics(pipeline,
     shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
     cfg_x = smoke_config(tmp_path, ["algorithm=xgrpo"])
     lay = RunLayout(cfg_x.experiment.runs_dir)
-    ex = stages.exchange_and_align(cfg_x, 1)
+    ex = table.run("exchange-and-align", cfg_x, 1)
     a = cfg_x.agents[0]
     inp = read_records(lay.learner_input(1, a.name), "learner_input")
     assert inp["is_self"].all() and set(inp["producer"]) == {a.name} and len(inp) == 64  # strictly on-policy
     stats = read_records(lay.learner_input(1, a.name, "reward_stats"), "reward_stats")
     assert len(stats) == 16 * 2 and set(stats["producer"]) == {p.name for p in cfg_x.agents}
     assert ex[a.name]["side_reward_stats"] == 32
-    stages.compute_capability_stats(cfg_x, 1)
-    out = stages.update_policies(cfg_x, 1)[a.name]
+    table.run("compute-capability-stats", cfg_x, 1)
+    out = table.run("update-policies", cfg_x, 1)[a.name]
     assert out["cross_samples"] == 0 and out["updates"] == 2 and out["first_ratio_mean"] == 1.0
 
 
@@ -215,9 +216,9 @@ def test_prp_pools_the_peers_rollouts_into_the_grpo_batch(pipeline, tmp_path, de
     shutil.copytree(cfg.experiment.runs_dir, tmp_path / "runs")
     cfg_p = smoke_config(tmp_path, ["algorithm=prp", f"algorithm.loss.peer_denominator={denominator}"])
     a, b = cfg_p.agents[0], cfg_p.agents[1]
-    stages.exchange_and_align(cfg_p, 1)
-    stages.compute_capability_stats(cfg_p, 1)
-    out = stages.update_policies(cfg_p, 1)[a.name]
+    table.run("exchange-and-align", cfg_p, 1)
+    table.run("compute-capability-stats", cfg_p, 1)
+    out = table.run("update-policies", cfg_p, 1)[a.name]
     # 16 own + 16 peer prompt groups pooled per prompt: mini-batches of 8 prompts x 8 samples
     assert out["cross_samples"] == 64 and out["updates"] == 2 and out["first_ratio_mean"] == 1.0
     assert out[f"ratio/{b.name}/n"] == 64 and out[f"ratio/{a.name}/n"] == 64
@@ -248,11 +249,11 @@ def test_sgt_injects_a_peer_success_where_the_learner_failed_and_measures_if_it_
         rw["verdict"] = ["correct" if g else "wrong" for g in good]
         rw["reward"] = [1.0 if g else 0.0 for g in good]
         write_records(path, rw, "verdict")
-    ex = stages.exchange_and_align(cfg_s, 1)
+    ex = table.run("exchange-and-align", cfg_s, 1)
     inp = read_records(lay.learner_input(1, a.name), "learner_input")
     assert ex[a.name]["cross"] == 16 and (inp[~inp["is_self"]]["verdict"] == "correct").all()
-    stages.compute_capability_stats(cfg_s, 1)
-    out = stages.update_policies(cfg_s, 1)[a.name]
+    table.run("compute-capability-stats", cfg_s, 1)
+    out = table.run("update-policies", cfg_s, 1)[a.name]
     # p3's peer successes are dropped before the update (a got p3 right once); one of the 4
     # successes of each of p0..p2 is injected
     assert out["rows_dropped_by_loss"] == 4 and out["cross_samples"] == 12
@@ -264,12 +265,12 @@ def test_sgt_injects_a_peer_success_where_the_learner_failed_and_measures_if_it_
     n_own = int(inp["is_self"].sum())
     assert out["reward_mean"] == pytest.approx(1 / n_own)
     assert out["reward_mean_pooled"] == pytest.approx(13 / (n_own + 12))
-    assert read_json(lay.train_state(1) / a.name / stages.RESCUED_FILE) == out["rescued_so_far"]
+    assert read_json(lay.train_state(1) / a.name / RESCUED_FILE) == out["rescued_so_far"]
     # the peer b has no all-wrong prompt with a success of a: nothing to inject
     b_out = read_json(lay.update_stats(1))[b.name]
     assert b_out["rescues"] == 0 and b_out["rescued_prompts"] == []
-    stages.evaluate(cfg_s, 0)
-    ev = stages.evaluate(cfg_s, 1)["agents"]
+    table.run("evaluate", cfg_s, 0)
+    ev = table.run("evaluate", cfg_s, 1)["agents"]
     assert ev[a.name]["rescued_now_n"] == 3 and 0 <= ev[a.name]["rescued_now_accuracy"] <= 1
     assert "rescued_before_n" not in ev[a.name] and "rescued_now_n" not in ev[b.name]
 
@@ -284,10 +285,10 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
     import sys
 
     cfg, _ = pipeline
-    script = ("import json, sys\nfrom hacrl.pipeline import params, stages\n"
+    script = ("import json, sys\nfrom hacrl.pipeline import params, table\n"
               "d = params.compose(json.loads(sys.argv[1]))\n"
               "d['experiment']['runs_dir'], d['experiment']['reports_dir'] = sys.argv[2], sys.argv[3]\n"
-              "stages.update_policies(params.from_dict(d), 1)\n")
+              "table.run('update-policies', params.from_dict(d), 1)\n")
     digests = []
     for k in range(2):  # two processes, as two `dvc repro` runs would be
         runs = tmp_path / f"r{k}" / "runs"
@@ -303,7 +304,8 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
 
 def test_dvc_metrics_hold_the_headline_per_agent():
     """`dvc metrics show` prints a few columns per agent; the rest stays in the history file."""
-    from hacrl.pipeline.stages import HEADLINE, headline_metrics
+    from hacrl.pipeline.stages.evaluate import HEADLINE
+    from hacrl.pipeline.stages.evaluate import headline_metrics
 
     full = {"iteration": 2, "agents": {"a": {"eval_accuracy": 0.5, "eval_stderr": 0.01, "eval_n": 1200,
                                              "by_level": {"1": 0.6}, "train_reward": 0.4, "entropy": 1.2},

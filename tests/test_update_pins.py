@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, SMOKE
 
 from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.pipeline import table
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.storage import RunLayout
 
@@ -67,10 +67,10 @@ def rollouts(tmp_path_factory):
     os.chdir(tmp)
     try:
         base = _cfg(tmp, "grpo")
-        stages.prepare_data(base)
-        stages.prepare_pool(base)
-        stages.generate_rollouts(base, 1)
-        stages.verify_rewards(base, 1)
+        table.run("prepare-data", base)
+        table.run("prepare-pool", base)
+        table.run("generate-rollouts", base, 1)
+        table.run("verify-rewards", base, 1)
         lay = RunLayout(base.experiment.runs_dir)
         for a in base.agents:
             f = lay.rewards(1) / f"{a.name}.parquet"
@@ -92,9 +92,9 @@ def test_one_smoke_update_is_bit_identical_to_the_pinned_one(rollouts, algo):
     cwd = os.getcwd()
     os.chdir(rollouts)
     try:
-        stages.exchange_and_align(cfg, 1)
-        stages.compute_capability_stats(cfg, 1)
-        got = stages.update_policies(cfg, 1)
+        table.run("exchange-and-align", cfg, 1)
+        table.run("compute-capability-stats", cfg, 1)
+        got = table.run("update-policies", cfg, 1)
     finally:
         os.chdir(cwd)
     lay = RunLayout(cfg.experiment.runs_dir)

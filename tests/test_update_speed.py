@@ -17,7 +17,7 @@ import torch
 from conftest import SMOKE, make_agent
 
 from hacrl.pipeline import params
-from hacrl.pipeline import stages
+from hacrl.pipeline import table
 from hacrl.exchange.experience import read_records
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.storage import RunLayout
@@ -67,11 +67,10 @@ def iteration1(tmp_path_factory):
         d = params.compose(SMOKE + ["algorithm=hacpo"])
         d["experiment"]["runs_dir"] = str(tmp / "runs")
         cfg = params.from_dict(d)
-        for s in (stages.prepare_data, stages.prepare_pool):
-            s(cfg)
-        for s in (stages.generate_rollouts, stages.verify_rewards, stages.exchange_and_align,
-                  stages.compute_capability_stats):
-            s(cfg, 1)
+        for s in ("prepare-data", "prepare-pool"):
+            table.run(s, cfg)
+        for s in ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats"):
+            table.run(s, cfg, 1)
         yield tmp, cfg
     finally:
         os.chdir(cwd)

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hacrl.pipeline.stages import vllm_python
+from hacrl.pipeline.engines import vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -86,13 +86,14 @@ def _greedy(engine, prompts):
 
 
 def _gap(model, tok, comps, temperature):
-    from hacrl.pipeline.stages import logprob_gap
+    from hacrl.pipeline.stages.generate_rollouts import logprob_gap
 
     return logprob_gap(model, comps, tok.pad_token_id, temperature, samples=len(comps))
 
 
 def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_problems):
-    from hacrl.rollout.engine import HFEngine, SamplingParams
+    from hacrl.rollout.engine import SamplingParams
+    from hacrl.rollout.hf import HFEngine
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=False)
     prompts = _prompts(ac, tiny_problems)
@@ -119,7 +120,7 @@ def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_pr
 
 
 def test_vllm_tied_embeddings_sync_by_restart(tmp_path, tiny_problems):
-    from hacrl.rollout.engine import HFEngine
+    from hacrl.rollout.hf import HFEngine
     from hacrl.rollout.vllm_engine import ties_embeddings
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=True)

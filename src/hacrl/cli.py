@@ -32,11 +32,6 @@ def _setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-STAGE_NAMES = ("prepare-data", "prepare-pool", "generate-rollouts", "verify-rewards", "exchange-and-align",
-               "compute-capability-stats", "update-policies", "evaluate", "report")
-"""The stages of :data:`hacrl.pipeline.stages.STAGES`, named here so that ``--help`` imports no stage code."""
-
-
 def cmd_config(args: argparse.Namespace) -> int:
     from hacrl.pipeline.params import compose, keep_extension, write_params
 
@@ -67,22 +62,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from hacrl.pipeline import params
     from hacrl.errors import ConfigError
     from hacrl.ops import tracking
-    from hacrl.ops.orchestration import ITERATION_STAGES
-    from hacrl.pipeline.stages import STAGES
+    from hacrl.ops.inputs import verify
+    from hacrl.pipeline import params, table
     from hacrl.storage import clean_tmp
 
     cfg = params.load(args.params)
-    if args.name not in STAGES:
-        raise ConfigError(f"stage: unknown stage {args.name!r} (choose from {', '.join(STAGES)})")
+    table.stage(args.name)  # an unknown name: one line listing the stages
     t = args.iteration
-    if args.name in ITERATION_STAGES and args.name != "evaluate" and t < 1:
-        raise ConfigError(f"--iteration: invalid value {t} (RL iterations start at 1)")
-    if t < 0 or (args.name not in ("prepare-data", "prepare-pool", "report") and t > cfg.experiment.iterations):
-        raise ConfigError(f"--iteration: invalid value {t} (iterations 0-{cfg.experiment.iterations} "
-                                     f"are configured; more: `hacrl config experiment.iterations=N`)")
+    problem = table.iteration_problem(args.name, t, cfg.experiment.iterations)
+    if problem:
+        raise ConfigError(problem)
     removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
     if removed:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
@@ -90,11 +81,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
     log.info("stage %s (iteration %d) started", args.name, t)
     try:
         _injected_fault(args.name, t)
-        from hacrl.ops.inputs import dvc_stage_id, verify
-
         # the upstream artifacts it reads are what their stages wrote (dvc.lock), before any work
-        verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or dvc_stage_id(args.name, t))
-        result = STAGES[args.name](cfg, t)
+        verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or table.dvc_stage_id(args.name, t))
+        result = table.run(args.name, cfg, t)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
             tracking.log_stage(cfg, args.name, t, None, time.time() - t0, error=e, started=t0)
@@ -174,7 +163,7 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hacrl.pipeline import params
-    from hacrl.pipeline.stages import run_in_process
+    from hacrl.pipeline.in_process import run_in_process
 
     cfg = params.load(args.params)
     timings = run_in_process(cfg)
@@ -278,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         from hacrl.ops import stage_server
 
         if stage_server.enabled():
-            rc = stage_server.run_remote(sys.argv[1:])
+            rc = stage_server.run_remote(sys.argv[1:], entry="hacrl.cli:main")
             if rc is not None:
                 return rc
     parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
@@ -292,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="params.yaml")
     c.add_argument("--check", action="store_true", help="only check that --out equals the composition")
     c.set_defaults(fn=cmd_config)
+    from hacrl.pipeline import table  # the stage table: names only, no stage code
+
     s = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)",
                        description="Run one pipeline stage for one iteration; dvc.yaml calls this for every stage.")
-    s.add_argument("name", metavar="NAME", help="one of: " + ", ".join(STAGE_NAMES))
+    s.add_argument("name", metavar="NAME", help="one of: " + ", ".join(table.names()))
     s.add_argument("--iteration", "-t", type=int, default=0)
     s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
     s.add_argument("--print-result", action="store_true")

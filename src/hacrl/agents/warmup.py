@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from hacrl.config.schema import WarmupConfig
 from hacrl.task.data import target_text
-from hacrl.rollout.engine import HFEngine, SamplingParams
+from hacrl.rollout.engine import SamplingParams
+from hacrl.rollout.hf import HFEngine
 from hacrl.agents.pool import Agent
 from hacrl.task.rewards import CORRECT, VerifierPool
 from hacrl.agents.scoring import pack, token_logprobs

@@ -21,19 +21,11 @@ from pathlib import Path
 import yaml
 
 from hacrl.errors import DataError
-from hacrl.ops.orchestration import ITERATION_STAGES
 
 
 class DamagedInput(DataError):
     """An input is missing, or is not what the stage that writes it wrote (exit 2: rerunning the
     same stage on the same input cannot help)."""
-
-
-def dvc_stage_id(name: str, t: int) -> str:
-    """The ``dvc.yaml`` stage that ``hacrl stage NAME --iteration T`` is."""
-    if name == "evaluate" and t == 0:
-        return "evaluate-warmup"
-    return f"{name}@it{t}" if name in ITERATION_STAGES else name
 
 
 def _load(path: Path) -> dict:

@@ -25,38 +25,29 @@ from pathlib import Path
 
 from hacrl.config.build import read_yaml
 from hacrl.errors import ConfigError
+from hacrl.pipeline import table
 from hacrl.pipeline.params import compose, from_dict, keep_extension, read_params, set_iterations, write_params
+from hacrl.pipeline.table import INPUT_STAGE, stage_id
+from hacrl.resources import plan_for
 
 log = logging.getLogger(__name__)
 
-ITERATION_STAGES = ("generate-rollouts", "verify-rewards", "exchange-and-align",
-                    "compute-capability-stats", "update-policies", "evaluate")
-PREPARE_STAGES = ("prepare-data", "prepare-pool", "evaluate-warmup")
-INPUT_STAGE = "external-input"
-"""dvc.yaml's stage (one per input outside the repository) that prepare-data and prepare-pool read."""
-GPU_STAGES = ("update-policies",)
 LOCK_FILE = ".hacrl-iterate.lock"
 NO_RETRY_EXIT_CODES = (2, 3)
 """``hacrl stage`` exit codes of a config/data error (2) and a non-finite loss (3): retrying
 would fail the same way."""
 
 
-PLAN_KIND = {"generate-rollouts": "rollout", "evaluate": "rollout", "evaluate-warmup": "rollout",
-             "update-policies": "update"}
-"""Which MWRA jobs a stage carries out (evaluation generates where the agent's rollouts do)."""
-
-
 def stage_devices(cfg, stage: str, p=None) -> tuple[str, ...]:
-    """The devices the MWRA plan (``p``, else the config's) gives ``stage``'s jobs (none for a
-    stage without a device job)."""
-    from hacrl.resources import plan_for
-
-    kind = PLAN_KIND.get(stage.split("@", 1)[0])
-    if kind is None:
+    """The devices the MWRA plan (``p``, else the config's) gives the jobs of ``dvc.yaml`` stage
+    ``stage`` (none for a stage without a device job; which jobs a stage carries out is its row
+    of the stage table)."""
+    row = table.of_dvc_stage(stage)
+    if row is None or row.jobs is None:
         return ()
     p = p or plan_for(cfg)
     ids = [d.id for d in cfg.resources.devices]
-    return tuple(sorted({d for j in p.jobs(kind) for d in j.devices}, key=ids.index))
+    return tuple(sorted({d for j in p.jobs(row.jobs) for d in j.devices}, key=ids.index))
 
 
 def device_tags(devices: tuple[str, ...]) -> list[str]:
@@ -67,13 +58,11 @@ def device_tags(devices: tuple[str, ...]) -> list[str]:
 
 
 def gpu_stages(cfg) -> tuple[str, ...]:
-    """Stages routed to the GPU work pool: the update always (as before), and every stage whose
-    jobs the plan puts on a GPU (evaluate-warmup included)."""
-    from hacrl.resources import plan_for
-
+    """``dvc.yaml`` stages routed to the GPU work pool: those the stage table marks ``gpu`` (the
+    update) always, and every stage whose jobs the plan puts on a GPU (evaluate-warmup included)."""
     p = plan_for(cfg)
-    return tuple(s for s in (*PREPARE_STAGES, *ITERATION_STAGES)
-                 if s in GPU_STAGES or any(d.startswith("cuda:") for d in stage_devices(cfg, s, p)))
+    return tuple(s for s in (*table.prepare_stages(), *table.iteration_stages())
+                 if table.of_dvc_stage(s).gpu or any(d.startswith("cuda:") for d in stage_devices(cfg, s, p)))
 
 
 class StageFailed(RuntimeError):
@@ -121,11 +110,6 @@ class IterationFailed(RuntimeError):
 
 class LockBusy(RuntimeError):
     """Another iterate run holds the workspace lock."""
-
-
-def stage_id(stage: str, t: int) -> str:
-    """DVC's name of ``stage`` in iteration ``t`` (``generate-rollouts@it3``)."""
-    return f"{stage}@it{t}"
 
 
 def extend_to(project: Path, n: int) -> dict:
@@ -214,7 +198,7 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
     status = dvc_status(project)
     stale = set(status)
     inputs = sorted(s for s in stale if s.startswith(INPUT_STAGE + "@"))
-    if inputs or any(s in stale for s in PREPARE_STAGES):
+    if inputs or any(s in stale for s in table.prepare_stages()):
         return Plan(None, n, True, False, stale, inputs, changed_outputs(status))
     iteration = _choose(n, stale, iteration)
     extended = iteration == n + 1
@@ -231,7 +215,7 @@ def next_iteration(project: Path, iteration: int | None = None) -> int | None:
     inputs, data or pool must be prepared first (the iteration is chosen after that)."""
     n = int(read_params(project)["experiment"]["iterations"])
     stale = stale_stages(project)
-    if any(s.startswith(INPUT_STAGE + "@") or s in PREPARE_STAGES for s in stale) and _prepared_before(project):
+    if any(s.startswith(INPUT_STAGE + "@") or s in table.prepare_stages() for s in stale) and _prepared_before(project):
         return None  # the pool may change: which iterations stay done is known once it ran
     return _choose(n, stale, iteration)
 
@@ -244,7 +228,7 @@ def _prepared_before(project: Path) -> bool:
 
 
 def _choose(n: int, stale: set[str], iteration: int | None) -> int:
-    pending = [t for t in range(1, n + 1) if any(stage_id(s, t) in stale for s in ITERATION_STAGES)]
+    pending = [t for t in range(1, n + 1) if any(stage_id(s, t) in stale for s in table.iteration_stages())]
     if iteration is None:
         iteration = pending[0] if pending else n + 1
     if iteration < 1:

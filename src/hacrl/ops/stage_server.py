@@ -52,9 +52,8 @@ ENV_KEYS = ("HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA", "OMP_", "MKL_",
             "NCCL_", "PYTHON", "LD_", "VIRTUAL_ENV")
 """Environment variables a preloaded module may have read at import: a server serves only
 clients whose values match the ones it started with."""
-PRELOAD = ("torch", "pandas", "pyarrow.parquet", "transformers", "hacrl.pipeline.stages", "hacrl.exchange.experience",
-           "hacrl.agents.pool", "hacrl.agents.scoring", "hacrl.exchange.thl", "hacrl.rl.update", "hacrl.agents.warmup", "hacrl.task.rewards",
-           "hacrl.rl.capability", "hacrl.pipeline.report", "hacrl.ops.track_queue", "hacrl.rollout.engine")
+PRELOAD = ("torch", "pandas", "pyarrow.parquet", "transformers", "hacrl.rollout.hf", "hacrl.ops.track_queue")
+"""Imported before the server forks, besides every stage's module (from the stage table)."""
 MODEL_CLASSES = ("gpt2", "llama", "qwen2", "mistral", "qwen3")
 """transformers model modules imported up front (each costs 0.2-0.6 s when a stage first loads one)."""
 MAX_MSG = 1 << 20
@@ -94,20 +93,22 @@ def fingerprint() -> str:
 
 
 # ---------------------------------------------------------------------------------- client
-def run_remote(argv: list[str]) -> int | None:
-    """Run ``hacrl ARGV`` in a forked child of the server (started, and waited for, if there is
-    none); None: no server served it, run cold."""
+def run_remote(argv: list[str], entry: str) -> int | None:
+    """Run ``entry(ARGV)`` in a forked child of the server (started, and waited for, if there is
+    none); None: no server served it, run cold. ``entry``: the command's main function as
+    ``module:function`` (``hacrl.cli:main``), handed to the server, which imports it before it
+    forks: the server knows nothing of the command it serves."""
     path = socket_path()
     for attempt in range(2):
         s = _connect(path)
         if s is None:
             # start one and wait for it, rather than run cold beside its imports: on a loaded CPU,
             # BLAS may pick other kernels, and a stage's figures must not depend on that
-            proc = _start_server(path)
+            proc = _start_server(path, entry)
             s = _connect(path, wait_s=START_WAIT_S, server=proc) if proc is not None else None
             if s is None:
                 return None
-        req = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
+        req = {"argv": argv, "entry": entry, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
                "umask": _umask()}
         try:
             socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
@@ -190,11 +191,11 @@ def _umask() -> int:
     return m
 
 
-def _start_server(path: Path) -> subprocess.Popen | None:
-    """Start a server in the background (its output goes to a log beside the socket)."""
+def _start_server(path: Path, entry: str) -> subprocess.Popen | None:
+    """Start a server for ``entry`` in the background (its output goes to a log beside the socket)."""
     try:
         with open(path.with_suffix(".log"), "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "hacrl.ops.stage_server", str(path)],
+            return subprocess.Popen([sys.executable, "-m", "hacrl.ops.stage_server", str(path), entry],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                     close_fds=True)
     except OSError as e:
@@ -203,10 +204,20 @@ def _start_server(path: Path) -> subprocess.Popen | None:
 
 
 # ---------------------------------------------------------------------------------- server
+def _entry(entry: str):
+    """The function ``module:function`` names (its module imported now)."""
+    import importlib
+
+    module, _, attr = entry.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _preload() -> None:
     import importlib
 
-    for m in PRELOAD:
+    from hacrl.pipeline import table
+
+    for m in (*PRELOAD, *(s.entry.partition(":")[0] for s in table.STAGES)):
         importlib.import_module(m)
     if not Path("/dev/nvidia0").exists():  # DeepSpeed probes the accelerator at import: not on GPU hosts
         importlib.import_module("deepspeed")
@@ -218,9 +229,11 @@ def _preload() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
-def serve(path: Path, idle_s: float = IDLE_S) -> None:
-    """Preload, then fork one stage process per request until idle or stale."""
+def serve(path: Path, entry: str, idle_s: float = IDLE_S) -> None:
+    """Preload (``entry`` too), then fork one process per request that runs ``entry(argv)``,
+    until idle or stale."""
     _preload()
+    main_fn = _entry(entry)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:  # two clients started a server at once: the one that is up already serves
         probe.connect(str(path))
@@ -254,6 +267,12 @@ def serve(path: Path, idle_s: float = IDLE_S) -> None:
                 log.warning("bad request: %s", e)
                 conn.close()
                 continue
+            if req.get("entry") != entry:  # another command's client: it runs cold
+                conn.send(json.dumps({"refused": "entry"}).encode())
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+                continue
             if fingerprint() != start_print:
                 conn.send(json.dumps({"refused": "stale"}).encode())
                 conn.close()
@@ -264,7 +283,7 @@ def serve(path: Path, idle_s: float = IDLE_S) -> None:
             pid = os.fork()
             if pid == 0:
                 srv.close()
-                _child(conn, req, fds)  # never returns
+                _child(conn, req, fds, main_fn)  # never returns
             log.info("stage process %d: hacrl %s (in %s)", pid, " ".join(req["argv"]), req["cwd"])
             for fd in fds:
                 os.close(fd)
@@ -278,8 +297,8 @@ def serve(path: Path, idle_s: float = IDLE_S) -> None:
         srv.close()
 
 
-def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
-    """Become the stage process of the request; exit with its code."""
+def _child(conn: socket.socket, req: dict, fds: list[int], main_fn) -> None:
+    """Become the process of the request (``main_fn(argv)``); exit with its code."""
     rc = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -297,10 +316,8 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
         _watch(int(req["pid"]))
         conn.send(json.dumps({"pid": os.getpid()}).encode())
         sys.argv = ["hacrl", *req["argv"]]
-        from hacrl import cli
-
         try:
-            rc = cli.main(req["argv"])
+            rc = main_fn(req["argv"])
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:  # noqa: BLE001 - as an uncaught exception ends a cold process
@@ -341,7 +358,7 @@ def main() -> int:
                         datefmt="%H:%M:%S")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        serve(Path(sys.argv[1]))
+        serve(Path(sys.argv[1]), sys.argv[2])
     except OSError as e:  # another server won the race for this socket
         log.info("not serving: %s", e)
     return 0

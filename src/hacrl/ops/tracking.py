@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config.schema import Config
+from hacrl.pipeline import table
 from hacrl.pipeline.result import Input, StageResult
 from hacrl.storage import RunLayout, read_json, write_json
 
@@ -398,7 +399,7 @@ class Tracker:
         stage; ``start_ms``/``end_ms``: the stage's own wall-clock times, default now.
         """
         res = result if isinstance(result, StageResult) else StageResult(result if isinstance(result, dict) else {})
-        if stage == "report":  # the experiment's own: its curves and tables
+        if table.stage(stage).kind == table.REPORT:  # the experiment's own: its curves and tables
             run_id = self.experiment_run(start_ms)
             self._metrics(run_id, {"wall_s/report": wall_s}, self.cfg.experiment.iterations, end_ms)
             self._fail_or_finish(run_id, stage, error, end_ms, close=error is None)
@@ -439,7 +440,7 @@ class Tracker:
             for m in range(max(map(len, ser.values.values()), default=0)):
                 self._metrics(run, {k: v[m] for k, v in ser.values.items() if m < len(v) and v[m] is not None},
                               ser.first_step + m, end_ms)
-        if stage == "evaluate":  # the iteration is complete: its run and the long-lived ones pause
+        if table.closes_iteration(stage):  # the iteration is complete: its run and the long-lived ones pause
             self._fail_or_finish(it_run, stage, None, end_ms, close=True)
         return it_run
 

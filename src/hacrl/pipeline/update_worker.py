@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import torch
 
-    from hacrl.pipeline.stages import update_agent
+    from hacrl.pipeline.learner import update_agent
     from hacrl.storage import write_json
     from hacrl.rl.trainer import init_distributed, world
 

@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hacrl.config.build import build
@@ -33,6 +34,7 @@ from hacrl.config.schema import Settings, setting
 from hacrl.errors import ConfigError
 from hacrl.groups import group_index, group_normalized_advantage, group_std
 from hacrl.lazy import lazy_module
+from hacrl.rl import rescues
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +59,28 @@ class Registered:
     layouts: tuple[str, ...] | None = None
     """The update layouts (``algorithm.minibatch_order``) a loss works under; None: any. A loss that
     reads whole prompt groups inside one mini-batch (SGT's gate) needs ``prompt_groups``."""
+    hooks: StepHooks | None = None
+    """What the loss adds to a learner's step besides its loss (see :class:`StepHooks`)."""
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """A loss's own bookkeeping around a learner's step, so that the update, the update stage and
+    the evaluation carry it out without naming the algorithm (SGT's rescues: :mod:`hacrl.rl.rescues`)."""
+
+    figures: Callable[[list, Any], dict]
+    """``figures(samples, batch)``: the step's extra figures from the per-sample outputs the loss
+    returned in every update (``[(row indices, {name: (B,) tensor})]``) and the learner's batch."""
+    carry: Callable[[Path | None, Path, dict, int], None] | None = None
+    """``carry(prev_state_dir, state_dir, stats, t)``: state kept across iterations in the learner's
+    train state (read from the previous iteration's, written into this one's); may add to ``stats``."""
+    probes: Callable[[dict, int], dict[str, list[str]]] | None = None
+    """``probes(stats, t)``: named sets of training prompt ids whose greedy accuracy the evaluation
+    reports after the update (``NAME_accuracy``, ``NAME_n``)."""
+    private: tuple[str, ...] = ()
+    """Keys of the step's figures that are records, not figures: kept in ``update_stats.json``, not logged."""
+    history: tuple[str, ...] = ()
+    """Keys of the step's figures that the evaluation keeps in the run history."""
 
 
 ADVANTAGES: dict[str, Registered] = {}
@@ -65,14 +89,15 @@ LOSS_LEVELS = ("token", "sequence")
 
 
 def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
-              needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None):
+              needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None,
+              hooks: StepHooks | None = None):
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
         raise TypeError(f"{name}: options must be a dataclass with a 'name' field")
 
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts)
+        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, hooks)
         return fn
     return deco
 
@@ -84,12 +109,12 @@ def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
 
 
 def register_loss(name: str, options: type, level: str, rows: Callable | None = None,
-                  layouts: tuple[str, ...] | None = None):
+                  layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None):
     """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence;
-    ``rows`` and ``layouts``: see :class:`Registered`."""
+    ``rows``, ``layouts`` and ``hooks``: see :class:`Registered`."""
     if level not in LOSS_LEVELS:
         raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
-    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts)
+    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks)
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
@@ -619,7 +644,9 @@ def sgt_rows(inp: AdvantageInputs, opts: SgtOptions) -> torch.Tensor:
     return inp.is_self.bool() | sgt_gate(inp.rewards, inp.group_ids, inp.is_self, inp.verified)
 
 
-@register_loss("sgt", SgtOptions, level="token", rows=sgt_rows, layouts=("prompt_groups",))
+@register_loss("sgt", SgtOptions, level="token", rows=sgt_rows, layouts=("prompt_groups",),
+               hooks=StepHooks(rescues.figures, rescues.carry, rescues.probes, private=rescues.PRIVATE,
+                               history=rescues.HISTORY))
 def sgt_loss(inp: LossInputs, opts: SgtOptions):
     """``-(1/B_own) sum_{own i} (1/|y_i|) sum_t min(rho A, clip(rho) A) + lambda NLL(rescues)``.
 

@@ -22,6 +22,7 @@ from hacrl.groups import pooled_reward_stats
 from hacrl.agents.pool import Agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.rl.trainer import PolicyOptimizer, seed_rng, world
+from hacrl.rollout.table import engine_spec
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +169,6 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
     return out
 
 
-def rescue_figures(samples: list[tuple[np.ndarray, dict]], batch: pd.DataFrame) -> dict:
-    """SGT's step figures from the rows a loss flagged ``rescued`` (in any update): the prompts
-    rescued (sorted ids), how many peer responses were injected, the prompts whose own samples
-    were all wrong, and the trigger rate (rescued prompts over the learner's prompts)."""
-    rescued = sorted({int(i) for idx, vals in samples for i, r in zip(idx, vals["rescued"].numpy()) if r > 0})
-    own = batch[batch["is_self"].astype(bool)]
-    per_prompt = own.groupby("prompt_id")["verdict"].apply(lambda v: bool((v == "correct").any()))
-    prompts = sorted(set(batch["prompt_id"].iloc[rescued]))
-    return {"rescued_prompts": prompts, "rescues": len(rescued),
-            "own_all_wrong_prompts": int((~per_prompt).sum()),
-            "trigger_rate": len(prompts) / max(1, len(per_prompt))}
-
-
 def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor], is_self: torch.Tensor,
                   shard: Shard | None = None) -> float | None:
     """KL(pi_old || pi_ref) by k3 over the learner's own samples (drawn from pi_old), one value per
@@ -295,7 +283,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     # generation log-probs are the trainer's (transformers) keep them; rows that are not
     # (cross samples, in another tokenizer's tokens; vLLM's kernels) are still recomputed. Either
     # way the generation log-probs are compared with the trainer's where both exist.
-    exact_engine = cfg.rollout.engine == "hf"
+    exact_engine = engine_spec(cfg.rollout.engine).exact_logprobs
     spans = [response_span(resp) if tc.response_logits_only else None for _, _, _, resp, _, _ in packed]
     old: list[torch.Tensor | None] = [None] * len(packed)
     gen_gap = 0.0
@@ -387,8 +375,8 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     rewards = adv_inp.rewards
     if samples:
         summary.update(sample_figures(samples, batch["producer"].to_numpy(), agent.name))
-        if "rescued" in samples[0][1]:
-            summary.update(rescue_figures(samples, batch))
+        if loss_reg.hooks is not None:  # the loss's own step figures (SGT: its rescues)
+            summary.update(loss_reg.hooks.figures(samples, batch))
     return {"samples": len(batch), "updates": len(logs), "total_updates": opt.state.updates, **summary,
             # the first update's ratio on the learner's own samples (1 by construction); absent
             # when that update holds none

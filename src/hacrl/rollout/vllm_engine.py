@@ -1,5 +1,5 @@
 """vLLM as a rollout engine: vLLM in its own environment and process (:mod:`hacrl.rollout.vllm_worker`),
-behind the same ``generate`` as :class:`hacrl.rollout.engine.HFEngine`."""
+behind the same ``generate`` as :class:`hacrl.rollout.hf.HFEngine`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import time
 from pathlib import Path
 
-from hacrl.rollout.engine import Completion, SamplingParams
+from hacrl.rollout.engine import Completion, EngineRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,17 @@ class VLLMEngine:
         self.proc = None
         self.startup_s = self._start()
 
+    @classmethod
+    def open(cls, request: EngineRequest) -> VLLMEngine:
+        """A worker serving ``request.model_dir`` (``request.settings.vllm_python`` as resolved by
+        the caller: the vLLM environment's interpreter)."""
+        s = request.settings
+        return cls(request.model_dir, request.tokenizer, python=s.vllm_python, max_model_len=request.max_model_len,
+                   dtype=request.dtype, seed=request.seed, threads=request.threads, kv_cache_gib=s.vllm_kv_cache_gib,
+                   timeout_s=s.vllm_timeout_s, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+                   tensor_parallel_size=request.tensor_parallel_size, env=request.env,
+                   max_num_batched_tokens=request.max_batch_tokens, sleep_mode=request.sleep_mode)
+
     # -- process
     def _start(self) -> float:
         import os
@@ -83,7 +94,9 @@ class VLLMEngine:
             env.pop(k, None)
         self._log = open(self.log_path, "a")
         t0 = time.time()
-        self.proc = subprocess.Popen([self.python, str(Path(__file__).with_name("vllm_worker.py"))],
+        # -P: the worker's directory (this package) is not put on its sys.path, where a module
+        # of ours could shadow one of vLLM's
+        self.proc = subprocess.Popen([self.python, "-P", str(Path(__file__).with_name("vllm_worker.py"))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, bufsize=1, env=env, start_new_session=True)
         try:

@@ -26,7 +26,8 @@ import numpy as np
 
 from hacrl.config.schema import Config
 from hacrl.errors import ConfigError
-from hacrl.pipeline import params, stages
+from hacrl.pipeline import params
+from hacrl.pipeline.in_process import prepare_experiment, run_in_process
 from hacrl.storage import RunLayout, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -202,9 +203,7 @@ def prepare_base(base_overrides: list[str], out: Path) -> Config:
     base.mkdir(parents=True)
     with contextlib.chdir(base):
         t0 = time.time()
-        stages.prepare_data(cfg)
-        stages.prepare_pool(cfg)
-        stages.evaluate(cfg, 0)
+        prepare_experiment(cfg)
     write_json(stamp, {"key": key, "seconds": round(time.time() - t0, 1)})
     return cfg
 
@@ -234,7 +233,7 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path) -> dict
     shutil.copytree(base / "runs" / "it0", run_dir / "runs" / "it0")
     t0 = time.time()
     with contextlib.chdir(base):  # data/tasks of the base
-        timings = stages.run_in_process(cfg, prepare=False)
+        timings = run_in_process(cfg, prepare=False)
     lay = RunLayout(cfg.experiment.runs_dir)
     history = read_json(lay.history(cfg.experiment.iterations))
     agents = [a.name for a in cfg.agents]

@@ -23,15 +23,16 @@ DEFAULT_REPS = 3
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     import time
 
-    from hacrl.pipeline import stages
+    from hacrl.pipeline.common import layout
+    from hacrl.pipeline import table
     from hacrl.exchange import thl
     from hacrl.exchange.experience import adapt_response, read_records
     from hacrl.agents.pool import load_tokenizer
 
     with workspace(size, work_dir) as cfg:
         t = 1
-        stages.generate_rollouts(cfg, t)
-        lay = stages._layout(cfg)
+        table.run("generate-rollouts", cfg, t)
+        lay = layout(cfg)
         toks = {a.name: load_tokenizer(a, lay.checkpoint(0, a.name)) for a in cfg.agents}
         recs = {a.name: read_records(lay.rollouts(t) / f"{a.name}.parquet", "rollout") for a in cfg.agents}
         pairs = [(p.name, q.name) for p in cfg.agents for q in cfg.agents

@@ -22,7 +22,7 @@ def bare_greedy(cfg, t: int = 0) -> int:
     import torch
 
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.stages import _split
+    from hacrl.pipeline.common import split as _split
     from hacrl.storage import RunLayout
 
     held = _split(cfg, "heldout")
@@ -46,18 +46,19 @@ def bare_greedy(cfg, t: int = 0) -> int:
 
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
-    from hacrl.pipeline import stages
+    from hacrl.pipeline.common import split
+    from hacrl.pipeline import table
 
     with workspace(size, work_dir) as cfg:
         def stage() -> dict:
-            m = stages.evaluate(cfg, 0)
+            m = table.run("evaluate", cfg, 0)
             return {"units": sum(a["eval_n"] for a in m["agents"].values()),
                     "accuracy": {k: round(a["eval_accuracy"], 4) for k, a in m["agents"].items()}}
 
         measured = compare([Contender("stage", stage, "evaluate: greedy generate + math-verify + metrics"),
                             Contender("bare_generate", lambda: bare_greedy(cfg, 0),
                                       "transformers greedy generate, same batches, no checking")], reps)
-        work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(stages._split(cfg, "heldout")),
+        work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(split(cfg, "heldout")),
                 "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
                 "verifier_workers": cfg.reward.workers}
     return SuiteResult("evaluate", "answers", work, measured, [Goal("stage", "bare_generate", 0.9)])

@@ -95,6 +95,7 @@ def _prefect_timeline(ws: Path, flow_run_id: str, cli_start: float, cli_end: flo
 def scratch_workspace(size: str, ws: Path, project: Path) -> None:
     """A DVC workspace at ``ws`` with iteration 0 done (recorded in its dvc.lock)."""
     from hacrl.study.bench.workspace import SMOKE
+    from hacrl.pipeline import table
 
     ws.mkdir(parents=True)
     for item in ITEMS:
@@ -114,7 +115,7 @@ def scratch_workspace(size: str, ws: Path, project: Path) -> None:
         shutil.copytree(project / "data" / "tasks", ws / "data" / "tasks")
         shutil.copytree(project / "runs" / "it0", ws / "runs" / "it0")
         _run([sys.executable, "-m", "dvc", "repro", "-q", "--glob", "external-input@*"], ws)
-        _run([sys.executable, "-m", "dvc", "commit", "-f", "-q", "prepare-data", "prepare-pool", "evaluate-warmup"], ws)
+        _run([sys.executable, "-m", "dvc", "commit", "-f", "-q", *table.prepare_stages()], ws)
     else:
         _run([sys.executable, "-m", "hacrl.cli", "config", *(SMOKE if size == "smoke" else []),
               "tracking.enabled=true"], ws)
@@ -123,8 +124,8 @@ def scratch_workspace(size: str, ws: Path, project: Path) -> None:
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     from hacrl.pipeline import params
-    from hacrl.pipeline import stages
-    from hacrl.ops.orchestration import ITERATION_STAGES, stage_id
+    from hacrl.pipeline import table
+    from hacrl.pipeline.table import iteration_stages, stage_id
     from hacrl.ops.services import serve, stop
 
     project = Path(".").resolve()
@@ -134,15 +135,15 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     t = 1
     direct_cfg = params.load(ws / "params.yaml")
     direct_cfg.tracking.enabled = False
-    per_stage: dict[str, list[float]] = {s: [] for s in ITERATION_STAGES}
+    per_stage: dict[str, list[float]] = {s: [] for s in iteration_stages()}
 
     def direct() -> int:
         here = Path.cwd()
         os.chdir(ws)
         try:
-            for s in ITERATION_STAGES:
+            for s in iteration_stages():
                 t0 = time.perf_counter()
-                stages.STAGES[s](direct_cfg, t)
+                table.run(s, direct_cfg, t)
                 per_stage[s].append(round(time.perf_counter() - t0, 2))
         finally:
             os.chdir(here)
@@ -150,7 +151,7 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
 
     def dvc() -> dict:
         secs = {}
-        for s in ITERATION_STAGES:
+        for s in iteration_stages():
             t0 = time.perf_counter()
             _run([sys.executable, "-m", "dvc", "repro", "-q", "--force", "--single-item", stage_id(s, t)], ws)
             secs[s] = round(time.perf_counter() - t0, 2)

@@ -26,7 +26,8 @@ def bare_generate(cfg, t: int = 1) -> int:
 
     from hacrl.task import data as task_data
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.stages import _split, hash_seed
+    from hacrl.pipeline.common import split as _split
+    from hacrl.pipeline.common import hash_seed
     from hacrl.storage import RunLayout
 
     r = cfg.rollout
@@ -58,13 +59,13 @@ def bare_generate(cfg, t: int = 1) -> int:
 
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
-    from hacrl.pipeline import stages
+    from hacrl.pipeline import table
 
     with workspace(size, work_dir) as cfg:
         t = 1
 
         def stage() -> dict:
-            res = stages.generate_rollouts(cfg, t)
+            res = table.run("generate-rollouts", cfg, t)
             out = {"units": sum(v["tokens"] for v in res.values())}
             if cfg.engines.logprob_check_samples:
                 out["logprob_gap_max"] = max(v.get("logprob_gap_max", 0.0) for v in res.values())

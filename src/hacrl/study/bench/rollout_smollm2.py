@@ -37,7 +37,8 @@ OVERRIDES = {
 
 
 def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> SuiteResult:
-    from hacrl.pipeline import stages
+    from hacrl.pipeline.engines import vllm_python
+    from hacrl.pipeline import table
 
     # the converted model of the project's own SmolLM2 runs, if there is one: no second fetch
     mine = project.resolve() / MODEL_DIR
@@ -50,10 +51,10 @@ def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> Suit
         cfg.agents = [cfg.agent(AGENT)]
         vl = copy.deepcopy(cfg)
         vl.rollout.engine = "vllm"
-        has_vllm = stages.vllm_python(vl.engines.vllm_python).exists()
+        has_vllm = vllm_python(vl.engines.vllm_python).exists()
 
         def stage(c) -> dict:
-            res = stages.generate_rollouts(c, t)[AGENT]
+            res = table.run("generate-rollouts", c, t)[AGENT]
             out = {"units": res["tokens"]}
             if "logprob_gap_max" in res:
                 out["logprob_gap_max"] = res["logprob_gap_max"]

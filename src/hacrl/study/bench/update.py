@@ -43,23 +43,22 @@ DEFAULT_REPS = 3
 
 def _prepare_iteration(cfg, t: int = 1) -> None:
     """Rollouts, rewards, exchange and capability stats of iteration t (not timed)."""
-    from hacrl.pipeline import stages
+    from hacrl.pipeline.in_process import run_iteration_until
 
-    for fn in (stages.generate_rollouts, stages.verify_rewards, stages.exchange_and_align,
-               stages.compute_capability_stats):
-        fn(cfg, t)
+    run_iteration_until(cfg, t, "update-policies")
 
 
 def _load(cfg, name: str, t: int):
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.stages import _layout
+    from hacrl.pipeline.common import layout
 
-    return load_agent(cfg.agent(name), _layout(cfg).checkpoint(t - 1, name), cfg.trainer.dtype)
+    return load_agent(cfg.agent(name), layout(cfg).checkpoint(t - 1, name), cfg.trainer.dtype)
 
 
 def _ours(agent, cfg, name: str, t: int, state_dir: Path) -> dict:
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.stages import _layout, hash_seed
+    from hacrl.pipeline.common import layout as _layout
+    from hacrl.pipeline.common import hash_seed
     from hacrl.storage import read_json
     from hacrl.rl.update import train_learner
 
@@ -80,7 +79,8 @@ def _trl_inputs(cfg, name: str, t: int):
 
     from hacrl.rl.algorithms import ADVANTAGES
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.stages import _layout, hash_seed
+    from hacrl.pipeline.common import layout as _layout
+    from hacrl.pipeline.common import hash_seed
     from hacrl.storage import read_json
     from hacrl.rl.update import advantage_inputs, layout
 

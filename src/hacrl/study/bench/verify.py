@@ -249,7 +249,7 @@ def overshoot(timeout_s: float = TIMEOUT_S) -> dict:
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     """Compare the stage with a bare pool and a serial loop on the mixed corpus of ``size``."""
-    from hacrl.pipeline import stages
+    from hacrl.pipeline import table
     from hacrl.exchange.experience import read_records
     from hacrl.task.rewards import VerifierPool, check
     from hacrl.storage import RunLayout
@@ -265,7 +265,7 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     stage_stats: dict = {}
 
     def stage() -> int:
-        stage_stats.update(stages.verify_rewards(cfg, 1))
+        stage_stats.update(table.run("verify-rewards", cfg, 1))
         return len(pairs)
 
     def pool() -> int:

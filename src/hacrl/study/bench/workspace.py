@@ -28,7 +28,7 @@ SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", 
 @contextlib.contextmanager
 def workspace(size: str, work_dir: Path, project: Path = Path("."), overrides: tuple[str, ...] = ()) -> Iterator[Config]:
     """Enter ``work_dir`` prepared for iteration 1 and yield its config (tracking off)."""
-    from hacrl.pipeline import stages
+    from hacrl.pipeline import table
 
     project = project.resolve()
     work_dir = work_dir.resolve()
@@ -56,8 +56,8 @@ def workspace(size: str, work_dir: Path, project: Path = Path("."), overrides: t
     try:
         if not ready:
             log.info("preparing data and pool for the benchmark (%s)", size)
-            stages.prepare_data(cfg)
-            stages.prepare_pool(cfg)
+            table.run("prepare-data", cfg)
+            table.run("prepare-pool", cfg)
         yield cfg
     finally:
         os.chdir(here)

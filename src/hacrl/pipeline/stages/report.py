@@ -1,4 +1,4 @@
-"""The readable report: ``reports/summary.json``, curves for ``dvc plots`` and PNG plots."""
+"""report: the readable report, ``reports/summary.json``, curves for ``dvc plots`` and PNG plots."""
 
 from __future__ import annotations
 
@@ -7,9 +7,25 @@ import io
 import logging
 from pathlib import Path
 
-from hacrl.storage import atomic_path, atomic_write_text, write_json
+from hacrl.config.schema import Config
+from hacrl.pipeline.common import layout
+from hacrl.pipeline.result import StageResult
+from hacrl.storage import atomic_path, atomic_write_text, read_json, write_json
 
 log = logging.getLogger(__name__)
+
+
+def report(cfg: Config) -> StageResult:
+    """``reports/summary.json``, per-iteration curves (CSV, for ``dvc plots``) and PNG plots."""
+    lay = layout(cfg)
+    history = read_json(lay.history(cfg.experiment.iterations))
+    pool = read_json(lay.it(0) / "pool.json")
+    out = write_report(history, pool, Path(cfg.experiment.reports_dir))
+    reports = Path(cfg.experiment.reports_dir)
+    # what write_report wrote (not the comparison reports, benchmarks and notes beside them)
+    files = [reports / "summary.json", reports / "README.md", *sorted(reports.glob("*.png")),
+             *sorted(reports.glob("plots/*.csv"))]
+    return StageResult({"summary": str(out)}, artifacts=[str(p) for p in files if p.is_file()])
 
 
 def summarize(history: dict, pool: dict) -> dict:

@@ -1,0 +1,37 @@
+"""What the stages share: the run layout, torch threads, the task splits, seeds, the resource plan."""
+
+from __future__ import annotations
+
+import random
+
+from hacrl.config.schema import Config
+from hacrl.resources import ResourcePlan, plan_for
+from hacrl.storage import RunLayout
+from hacrl.task import data as task_data
+
+
+def layout(cfg: Config) -> RunLayout:
+    """Where the experiment's artifacts live (``experiment.runs_dir``)."""
+    return RunLayout(cfg.experiment.runs_dir)
+
+
+def set_threads(cfg: Config) -> None:
+    """torch's intra-op threads for this stage process (``experiment.threads``)."""
+    import torch
+
+    torch.set_num_threads(max(1, cfg.experiment.threads))
+
+
+def split(cfg: Config, name: str) -> list[dict]:
+    """One split of the prepared task data (train, dev or heldout)."""
+    return task_data.read_jsonl(layout(cfg).tasks / f"{name}.jsonl")
+
+
+def hash_seed(*parts) -> int:
+    """A stable seed from the master seed and names (stage, iteration, agent)."""
+    return random.Random("/".join(map(str, parts))).randrange(2**31 - 1)
+
+
+def resource_plan(cfg: Config) -> ResourcePlan:
+    """The MWRA plan of the pool on the declared inventory (``resources``; docs/SCALING.md)."""
+    return plan_for(cfg)

@@ -1,0 +1,117 @@
+"""evaluate: greedy pass@1 on the held-out split per agent and level; the run's history."""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
+
+from hacrl.agents.pool import load_agent
+from hacrl.agents.warmup import accuracy, greedy_accuracy, greedy_answers
+from hacrl.config.schema import Config
+from hacrl.exchange.experience import read_records
+from hacrl.pipeline.common import layout, resource_plan, set_threads, split
+from hacrl.pipeline.engines import place
+from hacrl.pipeline.result import Input, StageResult, numbers
+from hacrl.rl.algorithms import LOSSES
+from hacrl.storage import read_json, write_json
+from hacrl.task.rewards import VerifierPool
+
+log = logging.getLogger(__name__)
+
+
+def standard_error(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def probe_accuracy(cfg: Config, agent, verifier, probes: dict[str, list[str]]) -> dict:
+    """Greedy pass@1 of ``agent`` on named sets of training prompts (``NAME_accuracy``, ``NAME_n``;
+    an empty set is left out): what a loss asks the evaluation to measure after its update."""
+    by_id = {p["id"]: p for p in split(cfg, "train")}
+    out: dict = {}
+    for key, ids in probes.items():
+        if ids:
+            acc, _ = greedy_accuracy(agent, [by_id[i] for i in ids], verifier, cfg.eval.max_new_tokens,
+                                     cfg.eval.batch_size)
+            out.update({f"{key}_accuracy": acc, f"{key}_n": len(ids)})
+    return out
+
+
+class _SerialVerifier:
+    """A verifier pool shared with a checking thread: every call goes through that thread, so the
+    pool has one caller at a time."""
+
+    def __init__(self, pool, executor):
+        self.pool, self.executor = pool, executor
+
+    def verify(self, pairs, desc: str = "verify") -> list[str]:
+        return self.executor.submit(self.pool.verify, pairs, desc).result()
+
+
+def evaluate(cfg: Config, t: int) -> StageResult:
+    """Greedy pass@1 on the held-out split per agent and level; extends the run history."""
+    set_threads(cfg)
+    lay = layout(cfg)
+    held = split(cfg, "heldout")
+    update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
+    eplan = resource_plan(cfg)  # evaluation generates where the agent's rollouts do
+    hooks = LOSSES[cfg.algorithm.loss.name].hooks if t > 0 else None  # the loss's own probes (SGT: its rescues)
+    metrics: dict = {"iteration": t, "agents": {}}
+    # an agent's answers are checked (in the verifier's processes, driven from a thread) while the
+    # next agent generates: checking costs about as much as generating here
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver, ThreadPoolExecutor(1) as checks:
+        serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
+        pending, extra = {}, {}
+        for ac in cfg.agents:
+            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), eplan.job(ac.name, "rollout"))
+            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            pending[ac.name] = checks.submit(ver.verify, answers, f"verify {ac.name}")
+            if hooks is not None and hooks.probes is not None:  # e.g. SGT: did the rescues stick?
+                extra[ac.name] = probe_accuracy(cfg, agent, serial, hooks.probes(update_stats.get(ac.name, {}), t))
+            del agent
+        for ac in cfg.agents:
+            verdicts = pending[ac.name].result()
+            acc = accuracy(verdicts)
+            df = pd.DataFrame({"level": [p["level"] for p in held], "ok": [v == "correct" for v in verdicts]})
+            m = {"eval_accuracy": acc, "eval_stderr": standard_error(acc, len(held)), "eval_n": len(held),
+                 "by_level": {lvl: float(g["ok"].mean()) for lvl, g in df.groupby("level")}}
+            if t > 0:
+                rw = read_records(lay.rewards(t) / f"{ac.name}.parquet", "verdict")["reward"].dropna()
+                m["train_reward"] = float(rw.mean())
+                m["train_reward_stderr"] = float(rw.std(ddof=1) / math.sqrt(len(rw))) if len(rw) > 1 else 0.0
+                us = update_stats[ac.name]
+                m["entropy"] = us["entropy"]
+                m["grad_norm"] = us["grad_norm"]
+                for k in ("kl_to_init", "kl_init_before_step", *(hooks.history if hooks is not None else ())):
+                    if k in us:
+                        m[k] = us[k]
+                m.update(extra.get(ac.name, {}))
+            metrics["agents"][ac.name] = m
+            log.info("eval it%d %s: acc %.3f +- %.3f", t, ac.name, acc, m["eval_stderr"])
+    prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}
+    history = {"algorithm": cfg.algorithm.name,
+               "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
+    write_json(lay.eval_metrics(t), headline_metrics(metrics))
+    write_json(lay.history(t), history)
+    # the held-out figures go with the checkpoint and the held-out set; training figures the
+    # update already logged (entropy, KL, reward) are not logged twice
+    held_out = ("eval_accuracy", "eval_stderr", "eval_n", "by_level")
+    return StageResult(metrics,
+                       evaluation={a: numbers({k: v for k, v in m.items() if k in held_out})
+                                   for a, m in metrics["agents"].items()},
+                       agents={a: numbers({k: v for k, v in m.items() if k in extra.get(a, {})
+                                           or k == "train_reward_stderr"}) for a, m in metrics["agents"].items()},
+                       evaluated={a.name: str(lay.checkpoint(t, a.name)) for a in cfg.agents},
+                       dataset=Input("heldout", str(lay.tasks / "heldout.jsonl"), "evaluation"))
+
+
+HEADLINE = ("eval_accuracy", "eval_stderr", "train_reward")
+
+
+def headline_metrics(metrics: dict) -> dict:
+    """What ``dvc metrics show`` prints per iteration: held-out accuracy, its standard error and
+    the training reward of each agent (a few columns; every figure is in the history file)."""
+    return {"iteration": metrics["iteration"],
+            "agents": {a: {k: m[k] for k in HEADLINE if k in m} for a, m in metrics["agents"].items()}}

@@ -1,0 +1,104 @@
+"""generate-rollouts: the step's prompts (the same for every agent) x G samples per agent."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from hacrl.agents.pool import load_agent
+from hacrl.agents.scoring import pack, response_span, token_logprobs
+from hacrl.config.schema import Config
+from hacrl.exchange.experience import rollout_records, write_records
+from hacrl.pipeline.common import hash_seed, layout, resource_plan, set_threads, split
+from hacrl.pipeline.engines import LOADING, SERIAL, open_engine, place, release_engine
+from hacrl.pipeline.result import StageResult, numbers
+from hacrl.resources import job_threads, run_stage
+from hacrl.rollout.engine import SamplingParams
+from hacrl.rollout.table import engine_spec
+from hacrl.storage import atomic_path
+from hacrl.task import data as task_data
+
+log = logging.getLogger(__name__)
+
+
+def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageResult:
+    """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards.
+
+    Agents run as the MWRA plan places them (one after another on a CPU host; at once where
+    their devices do not overlap). ``live``: vLLM engines kept across iterations by an
+    in-process run (see :func:`hacrl.pipeline.engines.open_engine`); the plan's releases apply to them.
+    """
+    set_threads(cfg)
+    lay = layout(cfg)
+    prompts = task_data.prompts_for_iteration(split(cfg, "train"), cfg.rollout.prompts_per_iteration,
+                                              cfg.experiment.seed, t)
+    r = cfg.rollout
+    spec = engine_spec(r.engine)
+    rplan = resource_plan(cfg)
+    # resolved here, before the jobs' threads: transformers' lazy attributes are not thread-safe
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    with atomic_path(lay.rollouts(t), is_dir=True) as tmp:
+        def job(j) -> dict:
+            ac = cfg.agent(j.agent)
+            t0 = time.time()
+            with LOADING:
+                agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
+            if spec.in_process:  # it generates from this process's model, on the job's device
+                place(agent, j)
+            with SERIAL if spec.in_process else contextlib.nullcontext():
+                engine, cost = open_engine(cfg, ac, agent, lay.checkpoint(t - 1, ac.name), live, job=j,
+                                           threads=job_threads(cfg.resources, j, cfg.experiment.threads))
+                rendered = [agent.render(p["problem"]) for p in prompts]
+                params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                        max_new_tokens=r.max_new_tokens,
+                                        seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
+                t1 = time.time()
+                try:
+                    comps = engine.generate(rendered, params)
+                finally:
+                    if live is None or not spec.keeps_alive:
+                        engine.close()  # a stage's own engine stops with the agent's rollouts
+                gen_s = time.time() - t1
+            write_records(tmp / f"{ac.name}.parquet",
+                          rollout_records(t, ac.name, ac.tokenizer_id, prompts, rendered, comps), "rollout")
+            secs = time.time() - t0
+            ntok = sum(len(c.token_ids) for c in comps)
+            st = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
+                  "tokens_per_s": round(ntok / max(secs, 1e-9), 1),
+                  "generate_tokens_per_s": round(ntok / max(gen_s, 1e-9), 1), **cost}
+            if cfg.engines.logprob_check_samples:
+                with SERIAL:
+                    st.update(logprob_gap(agent.model, comps, agent.tokenizer.pad_token_id, r.temperature,
+                                          cfg.engines.logprob_check_samples))
+            log.info("rollouts %s: %s", ac.name, st)
+            return st
+
+        done = run_stage(rplan, "rollout", job, release=lambda rel: release_engine(cfg, live, rel))
+    return StageResult({a.name: done[a.name] for a in cfg.agents},
+                       agents={a.name: numbers(done[a.name], "rollout_") for a in cfg.agents})
+
+
+def logprob_gap(model, comps: list, pad_id: int, temperature: float, samples: int, batch: int = 16) -> dict:
+    """How far the engine's recorded log-probs are from the trainer's forward on the same tokens:
+    mean and max absolute difference per response token over ``samples`` evenly spaced
+    completions. Every importance ratio built on recorded log-probs carries this error."""
+    import torch
+
+    picked = [c for c in comps[:: max(1, len(comps) // max(1, samples))] if c.token_ids][:samples]
+    if not picked:
+        return {}
+    diffs = []
+    model.eval()
+    with torch.no_grad():
+        for b0 in range(0, len(picked), batch):
+            part = picked[b0:b0 + batch]
+            ids, attn, resp = pack([c.prompt_token_ids for c in part], [c.token_ids for c in part], pad_id)
+            # the head projects the response positions only (the same bits: see token_logprobs)
+            lp = token_logprobs(model, ids, attn, temperature, span=response_span(resp))
+            for i, c in enumerate(part):
+                mine = lp[i][resp[i].bool()]
+                diffs.append((mine - torch.tensor(c.logprobs, dtype=mine.dtype)).abs())
+    d = torch.cat(diffs)
+    return {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max()), "logprob_gap_tokens": int(d.numel())}

@@ -1,0 +1,50 @@
+"""prepare-data: the train / dev / held-out problem files (procedural, or from local files)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from hacrl.config.schema import Config
+from hacrl.pipeline.common import layout
+from hacrl.pipeline.result import Input, StageResult, numbers
+from hacrl.storage import atomic_path, write_json
+from hacrl.task import data as task_data
+
+log = logging.getLogger(__name__)
+
+
+def prepare_data(cfg: Config) -> StageResult:
+    """Write the train / dev / held-out problem files (procedural or from local files)."""
+    d = cfg.data
+    seed = cfg.experiment.seed
+    if d.source == "procedural":
+        splits = {
+            "train": task_data.generate_split("train", d.train_size, d.levels, d.max_operand,
+                                              d.heldout_fraction, seed),
+            "dev": task_data.generate_split("dev", d.dev_size, d.levels, d.max_operand,
+                                            d.heldout_fraction, seed),
+            "heldout": task_data.generate_split("heldout", d.heldout_size, d.levels, d.max_operand,
+                                                d.heldout_fraction, seed),
+        }
+        skipped = {}
+    else:
+        train, s1 = task_data.load_problems(d.train_path, d.on_bad_row)
+        held, s2 = task_data.load_problems(d.heldout_path, d.on_bad_row)
+        r = random.Random(f"{seed}/dev")
+        r.shuffle(train)
+        n_dev = min(d.dev_size, len(train) // 5)
+        splits = {"train": train[n_dev:], "dev": train[:n_dev], "heldout": held}
+        skipped = {"train": s1, "heldout": s2}
+    out = layout(cfg).tasks
+    with atomic_path(out, is_dir=True) as tmp:
+        for name, probs in splits.items():
+            task_data.write_jsonl(tmp / f"{name}.jsonl", probs)
+        manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,
+                    "levels": {k: sorted({p["level"] for p in v}) for k, v in splits.items()}}
+        write_json(tmp / "manifest.json", manifest)
+    log.info("task data: %s", manifest["sizes"])
+    read = [(n, getattr(d, f"{n}_path")) for n in ("train", "heldout") if d.source != "procedural"]
+    return StageResult(manifest, metrics={**numbers(manifest["sizes"], "tasks/"),
+                                          **numbers(skipped, "skipped_rows/")},
+                       inputs=[Input(f"source/{n}", str(p), "source") for n, p in read])
