@@ -73,11 +73,13 @@ iterate: setup
 stop:
 	@if [ -x $(BIN)/hacrl ]; then $(BIN)/hacrl stop; fi
 
-# `make test`: everything but the slow end-to-end tests (real dvc repro, Prefect server, the
+# `make test`: the layer contract (import-linter, pyproject.toml; docs/ARCHITECTURE.md), then
+# everything but the slow end-to-end tests (real dvc repro, Prefect server, the
 # comparison suites, multi-process DeepSpeed, vLLM, the SmolLM2 pool); CI runs those too, with
 # `make test-slow` (vLLM's tests need `make setup-vllm`, and fail without it when
 # HACRL_REQUIRE_VLLM=1, as in CI).
 test: setup
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: setup

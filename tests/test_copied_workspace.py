@@ -20,7 +20,7 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     so in one line and logs nothing (which would write into the original's folder)."""
     import shutil
 
-    from hacrl.ops import tracking
+    from hacrl.ops import track_queue, tracking
     from hacrl.pipeline.params import write_params
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -31,10 +31,10 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     ckpt = orig / "runs" / "it0" / "checkpoints" / "gpt2-a"
     ckpt.mkdir(parents=True)
     (ckpt / "model.safetensors").write_text("weights")
-    tracking.log_stage(cfg, "prepare-pool", 0, StageResult({}, checkpoints={"gpt2-a": "runs/it0/checkpoints/gpt2-a"}),
+    track_queue.log_stage(cfg, "prepare-pool", 0, StageResult({}, checkpoints={"gpt2-a": "runs/it0/checkpoints/gpt2-a"}),
                        1.0, project_dir=orig)
     assert "MLFLOW_TRACKING_URI" not in os.environ  # registering a model leaves the environment as it was
-    tracking.log_stage(cfg, "verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0,
+    track_queue.log_stage(cfg, "verify-rewards", 1, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.5}}), 1.0,
                        project_dir=orig)
     assert tracking.foreign_store(cfg, orig) is None  # its own store
     copy = tmp_path / "copy"
@@ -42,13 +42,13 @@ def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch
     msg = tracking.foreign_store(cfg, copy)
     assert msg.startswith(f"mlflow.db belongs to {orig} (experiment 'smoke' keeps its artifacts in {orig}/mlartifacts")
     before = (orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()
-    tracking.log_stage(cfg, "verify-rewards", 2, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.6}}), 1.0,
+    track_queue.log_stage(cfg, "verify-rewards", 2, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.6}}), 1.0,
                        project_dir=copy)
     assert ((orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()) == before
     # the same under `make serve`, which exports the (copy's) project store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{copy / 'mlflow.db'}")
     assert tracking.foreign_store(cfg, copy) == msg
-    tracking.log_stage(cfg, "verify-rewards", 3, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.7}}), 1.0,
+    track_queue.log_stage(cfg, "verify-rewards", 3, StageResult({}, agents={"gpt2-a": {"reward_mean": 0.7}}), 1.0,
                        project_dir=copy)
     assert ((orig / "mlflow.db").read_bytes(), (copy / "mlflow.db").read_bytes()) == before
     assert len(list((orig / "mlartifacts").rglob("MLmodel"))) == 1  # the original's one model, no more

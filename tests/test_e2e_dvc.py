@@ -15,7 +15,7 @@ import pytest
 from conftest import SMOKE, dvc_workspace
 
 from hacrl.storage import read_json
-from hacrl.ops.tracking import dvc_hash
+from hacrl.ops.hashes import dvc_hash
 
 pytestmark = pytest.mark.slow
 

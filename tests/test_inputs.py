@@ -12,7 +12,7 @@ import yaml
 
 from hacrl.ops.inputs import DamagedInput, verify
 from hacrl.pipeline.table import dvc_stage_id
-from hacrl.ops.tracking import dvc_hash, file_md5
+from hacrl.ops.hashes import dvc_hash, file_md5
 
 DVC_YAML = {"stages": {
     "prepare-data": {"cmd": "x", "outs": ["data/tasks"]},

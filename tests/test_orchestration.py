@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hacrl.ops.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
-from hacrl.ops.tracking import dvc_hash, flatten, sanitize
+from hacrl.ops.hashes import dvc_hash
+from hacrl.ops.tracking import flatten, sanitize
 
 
 def test_lock_refuses_a_second_holder_with_a_clear_message_and_is_released(tmp_path):

@@ -25,13 +25,13 @@ def test_a_stage_queues_its_record_without_importing_mlflow_and_track_logs_it(tm
     code = f"""
 import sys, time
 from hacrl.pipeline import params
-from hacrl.ops import tracking
+from hacrl.ops import track_queue
 from conftest import SMOKE
 cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
 cfg.tracking.uri = "sqlite:///{tmp_path / 'mlflow.db'}"
 from hacrl.pipeline.result import StageResult
 res = StageResult({{"p_hat": {{"gpt2-a": 0.25}}}}, agents={{"gpt2-a": {{"p_hat": 0.25}}}}, metrics={{"pooled/n": 3}})
-tracking.log_stage(cfg, "compute-capability-stats", 1, res, 1.5, project_dir="{tmp_path}", started=1000.0)
+track_queue.log_stage(cfg, "compute-capability-stats", 1, res, 1.5, project_dir="{tmp_path}", started=1000.0)
 assert "mlflow" not in sys.modules, "the stage process imported mlflow"
 print("ok")
 """

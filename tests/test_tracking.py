@@ -16,7 +16,8 @@ from conftest import SMOKE
 from hacrl.pipeline import params
 from hacrl.pipeline.result import Input, Series, StageResult
 from hacrl.storage import RunLayout, read_json
-from hacrl.ops.tracking import Tracker, dvc_hash
+from hacrl.ops.hashes import dvc_hash
+from hacrl.ops.tracking import Tracker
 
 AGENTS = ("gpt2-a", "llama-b")
 

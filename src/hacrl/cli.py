@@ -63,7 +63,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from hacrl.errors import ConfigError
-    from hacrl.ops import tracking
+    from hacrl.ops import track_queue
     from hacrl.ops.inputs import verify
     from hacrl.pipeline import params, table
     from hacrl.storage import clean_tmp
@@ -86,11 +86,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
         result = table.run(args.name, cfg, t)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            tracking.log_stage(cfg, args.name, t, None, time.time() - t0, error=e, started=t0)
+            track_queue.log_stage(cfg, args.name, t, None, time.time() - t0, error=e, started=t0)
         raise
     wall = time.time() - t0
     log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, wall)
-    tracking.log_stage(cfg, args.name, t, result, wall, started=t0)
+    track_queue.log_stage(cfg, args.name, t, result, wall, started=t0)
     if args.print_result:
         print(json.dumps(result, indent=2, default=str))
     return 0

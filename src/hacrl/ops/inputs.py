@@ -86,7 +86,7 @@ def producer_of(spec: dict, path: str) -> str | None:
 def _differing_file(project: Path, path: Path, md5: str) -> str:
     """Which file of directory ``path`` differs from DVC's record (its ``.dir`` manifest in the
     cache), else the directory itself."""
-    from hacrl.ops.tracking import file_md5
+    from hacrl.ops.hashes import file_md5
 
     manifest = project / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
     if not manifest.is_file():
@@ -107,7 +107,7 @@ def _hash(project: Path, path: Path) -> str:
     ``.dvc/tmp/hacrl-md5.json``: a stage start stats its inputs instead of reading them again
     (DVC hashed them a moment ago). Any write to a file changes its ctime, which no tool sets."""
     from hacrl.storage import atomic_write_text
-    from hacrl.ops.tracking import dvc_hash, file_md5
+    from hacrl.ops.hashes import dvc_hash, file_md5
 
     cache_file = project / ".dvc" / "tmp" / "hacrl-md5.json"
     try:
@@ -186,7 +186,7 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     from hacrl.errors import ConfigError
     from hacrl.config.build import read_yaml
     from hacrl.storage import atomic_write_text
-    from hacrl.ops.tracking import dvc_hash
+    from hacrl.ops.hashes import dvc_hash
 
     project = Path(project)
     entries = (read_yaml(project / params) or {}).get("external_inputs") or {}

@@ -31,9 +31,41 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config.schema import Config
+from hacrl.ops.tracking import FLOW_RUN_ENV, Tracker, flow_run_url, foreign_store, git_commit, tracking_uri
+from hacrl.pipeline.result import StageResult
 from hacrl.storage import atomic_write_text
 
 log = logging.getLogger(__name__)
+
+
+def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
+              error: BaseException | None = None, project_dir: str | os.PathLike = ".",
+              started: float | None = None) -> None:
+    """Log a stage execution; a tracking failure is a warning, never a failed stage.
+
+    With ``tracking.asynchronous`` (the default) the record is queued and a background process
+    logs it (:func:`flush`); otherwise it is logged before this returns.
+    """
+    if not cfg.tracking.enabled:
+        return
+    import time
+
+    foreign = foreign_store(cfg, Path(project_dir))
+    if foreign:
+        log.warning("%s", foreign)
+        return
+    ended = time.time()
+    started = ended - wall_s if started is None else started
+    try:
+        if cfg.tracking.asynchronous:
+            enqueue(cfg, Path(project_dir), stage, t, result, wall_s, error, started, ended)
+            start_flusher(cfg, Path(project_dir))
+            return
+        Tracker(cfg, project_dir).log_stage(stage, t, result, wall_s,
+                                            f"{type(error).__name__}: {error}" if error is not None else None,
+                                            start_ms=int(started * 1000), end_ms=int(ended * 1000))
+    except Exception as e:  # lineage must not cost a finished stage its result
+        log.warning("MLflow tracking failed for %s@it%d: %s: %s", stage, t, type(e).__name__, e)
 
 
 def tracking_dir(cfg: Config, project_dir: Path) -> Path:
@@ -43,10 +75,6 @@ def tracking_dir(cfg: Config, project_dir: Path) -> Path:
 def enqueue(cfg: Config, project_dir: Path, stage: str, t: int, result: Any, wall_s: float,
             error: BaseException | None, started: float, ended: float) -> Path:
     """Write one stage record to the queue; return its path."""
-    from hacrl.ops.tracking import FLOW_RUN_ENV, flow_run_url, git_commit, tracking_uri
-
-    from hacrl.pipeline.result import StageResult
-
     q = tracking_dir(cfg, project_dir) / "queue"
     q.mkdir(parents=True, exist_ok=True)
     record = {"stage": stage, "iteration": t, "result": result, "wall_s": wall_s,
@@ -106,7 +134,6 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
     """
     from hacrl.pipeline import params
     from hacrl.pipeline.result import StageResult
-    from hacrl.ops.tracking import Tracker, foreign_store
 
     project_dir = Path(project_dir)
     d = project_dir / runs_dir / ".tracking"

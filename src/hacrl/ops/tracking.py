@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config.schema import Config
+from hacrl.ops.hashes import dvc_hash
 from hacrl.pipeline import table
 from hacrl.pipeline.result import Input, StageResult
 from hacrl.storage import RunLayout, read_json, write_json
@@ -119,31 +120,6 @@ def tracking_uri(cfg: Config, project_dir: Path) -> str:
     """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<project>/mlflow.db``."""
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{(project_dir / 'mlflow.db').resolve()}"
-
-
-def file_md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def dvc_hash(path: str | os.PathLike, md5=file_md5) -> str:
-    """The md5 DVC records for ``path``: a file's md5, or the ``<md5>.dir`` of a directory
-    (``md5``: how a file's md5 is had, e.g. through a cache)."""
-    p = Path(path)
-    if p.is_file():
-        return md5(p)
-    from dvc_data.hashfile.hash_info import HashInfo
-    from dvc_data.hashfile.meta import Meta
-    from dvc_data.hashfile.tree import Tree
-
-    tree = Tree()
-    for f in sorted(x for x in p.rglob("*") if x.is_file()):
-        tree.add(f.relative_to(p).parts, Meta(size=f.stat().st_size), HashInfo("md5", md5(f)))
-    tree.digest()
-    return tree.hash_info.value
 
 
 def git_commit(project_dir: Path) -> str:
@@ -558,35 +534,3 @@ class Tracker:
                 os.environ["MLFLOW_TRACKING_URI"] = env_before
         self.client.set_registered_model_alias(name, f"it{t}", mv.version)
         self.client.set_logged_model_tags(model.model_id, {"hacrl.model_version": f"{name}/{mv.version}"})
-
-
-def log_stage(cfg: Config, stage: str, t: int, result: Any, wall_s: float,
-              error: BaseException | None = None, project_dir: str | os.PathLike = ".",
-              started: float | None = None) -> None:
-    """Log a stage execution; a tracking failure is a warning, never a failed stage.
-
-    With ``tracking.asynchronous`` (the default) the record is queued and a background process
-    logs it (:mod:`hacrl.ops.track_queue`); otherwise it is logged before this returns.
-    """
-    if not cfg.tracking.enabled:
-        return
-    import time
-
-    foreign = foreign_store(cfg, Path(project_dir))
-    if foreign:
-        log.warning("%s", foreign)
-        return
-    ended = time.time()
-    started = ended - wall_s if started is None else started
-    try:
-        if cfg.tracking.asynchronous:
-            from hacrl.ops import track_queue
-
-            track_queue.enqueue(cfg, Path(project_dir), stage, t, result, wall_s, error, started, ended)
-            track_queue.start_flusher(cfg, Path(project_dir))
-            return
-        Tracker(cfg, project_dir).log_stage(stage, t, result, wall_s,
-                                            f"{type(error).__name__}: {error}" if error is not None else None,
-                                            start_ms=int(started * 1000), end_ms=int(ended * 1000))
-    except Exception as e:  # lineage must not cost a finished stage its result
-        log.warning("MLflow tracking failed for %s@it%d: %s: %s", stage, t, type(e).__name__, e)
