@@ -64,11 +64,11 @@ def iteration(cfg, t: int, live: dict | None = None) -> tuple[dict, dict]:
 
 def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -> list[dict]:
     """transformers against vLLM on the same checkpoint, prompts and sampling parameters."""
-    from hacrl.task import data as task_data
+    from hacrl.agents.pool import load_agent
     from hacrl.rollout.engine import SamplingParams
     from hacrl.rollout.hf import HFEngine
-    from hacrl.agents.pool import load_agent
     from hacrl.rollout.vllm_engine import VLLMEngine
+    from hacrl.task import data as task_data
 
     ac = next(a for a in cfg.agents if a.name == SMOL)
     prompts = task_data.prompts_for_iteration(split(cfg, "train"), n_prompts, cfg.experiment.seed, 99)

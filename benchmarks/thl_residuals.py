@@ -22,9 +22,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
-    from hacrl.pipeline import params
-    from hacrl.exchange.experience import pair_residuals, read_records
     from hacrl.agents.pool import load_tokenizer
+    from hacrl.exchange.experience import pair_residuals, read_records
+    from hacrl.pipeline import params
     from hacrl.storage import RunLayout
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

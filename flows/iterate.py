@@ -21,12 +21,12 @@ if str(PROJECT) not in sys.path:  # the worker imports this file by path; `tasks
 
 from prefect import flow, get_run_logger, runtime  # noqa: E402
 
-from hacrl.pipeline import params  # noqa: E402
 from hacrl.ops.orchestration import (IterationFailed, StageFailed, device_tags, gpu_stages,  # noqa: E402
                                      iteration_markdown, plan_iteration, stage_devices, workspace_lock)
-from hacrl.pipeline import table  # noqa: E402
+from hacrl.pipeline import params, table  # noqa: E402
 from hacrl.pipeline.table import INPUT_STAGE, stage_id  # noqa: E402
 from hacrl.resources import plan_for  # noqa: E402
+
 from tasks.stages import dvc_stage, ensure_device_limits, gpu_stage  # noqa: E402
 
 

@@ -43,9 +43,9 @@ def tiny_problems():
 def make_agent(arch: str, kind: str, tiny_problems, name: str | None = None):
     import torch
 
+    from hacrl.agents.pool import Agent, build_model, train_tokenizer
     from hacrl.config.schema import AgentConfig, TokenizerConfig
     from hacrl.task.data import completion_text
-    from hacrl.agents.pool import Agent, build_model, train_tokenizer
 
     mc = {
         "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from conftest import SMOKE
-
 from hacrl.study.compare import SUITES, auc, findings, paired_difference, verdict
+
+from conftest import SMOKE
 
 pytestmark = pytest.mark.slow
 
@@ -181,8 +181,8 @@ def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
 
 
 def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypatch):
-    from hacrl.study import compare
     from hacrl.storage import write_json
+    from hacrl.study import compare
 
     ran = []
 

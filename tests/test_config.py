@@ -5,10 +5,10 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
-
 from hacrl.errors import ConfigError
 from hacrl.pipeline import params
+
+from conftest import ROOT
 
 
 def test_params_yaml_is_the_composition_of_conf(root):
@@ -266,6 +266,34 @@ def test_a_default_lives_in_the_schema_only():
                     if defaults.get(sec, {}).get(k) == v:
                         repeated.append(f"{f.relative_to(params.CONF_DIR)}: {sec}.{k}={v!r}")
     assert not repeated, repeated
+    # algorithm presets: what an algorithm is (its name, estimator, loss, subscription) plus what
+    # differs from the defaults of AlgorithmConfig and of its registered options
+    from hacrl.config.schema import AlgorithmConfig
+    from hacrl.rl.algorithms import ADVANTAGES, LOSSES
+
+    alg_defaults = dataclasses.asdict(AlgorithmConfig())
+    for f in sorted((params.CONF_DIR / "algorithm").glob("*.yaml")):
+        doc = yaml.safe_load(f.read_text())
+        for k, v in doc.items():
+            if k in ("advantage", "loss"):
+                opts = dataclasses.asdict((ADVANTAGES if k == "advantage" else LOSSES)[v["name"]].options())
+                repeated += [f"{f.name}: {k}.{o}={x!r}" for o, x in v.items() if o != "name" and opts.get(o) == x]
+            elif k == "thl" or k == "capability":
+                repeated += [f"{f.name}: {k}.{o}={x!r}" for o, x in v.items() if alg_defaults[k].get(o) == x]
+            elif k not in ("name", "subscription") and alg_defaults.get(k) == v:
+                repeated.append(f"{f.name}: {k}={v!r}")
+    assert not repeated, repeated
     root = yaml.safe_load((params.CONF_DIR / "config.yaml").read_text())
     assert set(root) == {"defaults"}, "conf/config.yaml holds the defaults list only"
     assert dataclasses.asdict(Config())["rollout"]["max_new_tokens"] == params.compose([])["rollout"]["max_new_tokens"]
+
+
+def test_the_settings_reference_is_the_schema():
+    """docs/CONFIG.md is what `hacrl config --doc` writes from the schema: every setting with its
+    default, type and rule (run `hacrl config --doc > docs/CONFIG.md` after changing one)."""
+    from hacrl.config.doc import reference
+
+    assert (ROOT / "docs" / "CONFIG.md").read_text() == reference() + "\n"
+    text = reference()
+    assert "| `rollout.max_new_tokens` | int | `20` | >= 1 |" in text
+    assert "| `trainer.dtype` | str | `\"fp32\"` | one of `fp32`, `bf16` |" in text

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SMOKE
-
 from hacrl.pipeline import params
 from hacrl.pipeline.result import StageResult
+
+from conftest import SMOKE
 
 ROOT = Path(__file__).resolve().parents[1]
 

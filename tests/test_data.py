@@ -7,7 +7,6 @@ from hacrl.errors import DataError
 from hacrl.task import data
 from hacrl.task.data import load_problems
 
-
 LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
 
 
@@ -103,8 +102,8 @@ def test_worked_solutions_are_correct_arithmetic_ending_in_the_answer(level):
 
 
 def test_worked_solutions_need_the_procedural_task():
-    from hacrl.pipeline import params
     from hacrl.errors import ConfigError
+    from hacrl.pipeline import params
 
     with pytest.raises(DataError, match="no worked solution for level 'all'"):
         data.worked_solution({"id": "x", "problem": "What is 2+2?", "answer": "4", "level": "all"})

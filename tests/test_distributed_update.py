@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SMOKE
-from hacrl.pipeline import params
-from hacrl.pipeline import table
 from hacrl.exchange.experience import read_records, write_records
-from hacrl.storage import RunLayout
+from hacrl.pipeline import params, table
 from hacrl.rl.trainer import WORLD_FILE
+from hacrl.storage import RunLayout
+
+from conftest import SMOKE
 
 # fp32 sums in another order (each rank reduces half of a mini-batch) move the weights by a few
 # ulps per update; Adam's normalisation can turn that into a larger step on a coordinate whose

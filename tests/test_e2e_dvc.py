@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE, dvc_workspace
-
-from hacrl.storage import read_json
 from hacrl.ops.hashes import dvc_hash
+from hacrl.pipeline import table
+from hacrl.storage import read_json
+
+from conftest import SMOKE, dvc_workspace
 
 pytestmark = pytest.mark.slow
 
-STAGES = ["generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats",
-          "update-policies", "evaluate"]
+STAGES = list(table.iteration_stages())
 
 
 def _env():

@@ -9,14 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hacrl.config.schema import StreamConfig
+from hacrl.errors import ConfigError
+from hacrl.exchange.experience import SCHEMA_VERSION, SCHEMAS, SchemaError, publish, read_records, select, write_records
+from hacrl.groups import pooled_reward_stats
+from hacrl.pipeline import params
+
 from conftest import SMOKE
 
-from hacrl.pipeline import params
-from hacrl.errors import ConfigError
-from hacrl.config.schema import StreamConfig
-from hacrl.exchange.experience import (SCHEMA_VERSION, SCHEMAS, SchemaError, publish, read_records,
-                                       select, write_records)
-from hacrl.groups import pooled_reward_stats
 
 def rollout_df(producer: str, prompts=("p1", "p2"), g: int = 3) -> pd.DataFrame:
     rows = []
@@ -233,10 +233,10 @@ def test_an_estimator_is_refused_without_the_records_it_needs():
 
 @pytest.mark.parametrize("peer_eos", ["keep_if_stopped", "drop"])
 def test_peer_eos_decides_the_eos_on_both_sides(peer_eos, tiny_problems):
-    from hacrl.config.schema import ThlConfig, TokenizerConfig
-    from hacrl.task.data import completion_text
-    from hacrl.exchange.experience import adapt_response
     from hacrl.agents.pool import train_tokenizer
+    from hacrl.config.schema import ThlConfig, TokenizerConfig
+    from hacrl.exchange.experience import adapt_response
+    from hacrl.task.data import completion_text
 
     corpus = ["Q: " + p["problem"] + "\nA:" + completion_text(p["answer"]) for p in tiny_problems["train"]]
     src = train_tokenizer(TokenizerConfig(kind="bytelevel_bpe", vocab_size=300), corpus)

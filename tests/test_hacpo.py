@@ -4,12 +4,11 @@ of the capability-aware baseline by Monte Carlo."""
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
 from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, HacpoAdvantageOptions,
-                              HacpoLossOptions, LossInputs, capability_baseline, stepwise_lower_bound)
+                                 HacpoLossOptions, LossInputs, capability_baseline, stepwise_lower_bound)
 from hacrl.rl.capability import omega_matrix, update_history, windowed_capability
 
 OMEGA = torch.tensor([[1.0, 0.5], [2.0, 1.0]])  # agent 0 has half agent 1's capability
@@ -231,10 +230,11 @@ def test_learner_tokens_ratio_is_one_for_a_learner_scoring_its_own_sample_throug
     learner itself: the ``learner_tokens`` ratio is exactly the identity."""
     import pandas as pd
 
-    from conftest import make_agent
+    from hacrl.agents.scoring import pack, token_logprobs
     from hacrl.config.schema import ThlConfig
     from hacrl.exchange.experience import adapt_response
-    from hacrl.agents.scoring import pack, token_logprobs
+
+    from conftest import make_agent
 
     _, agent = make_agent("qwen2", "bytelevel_unigram", tiny_problems)
     tok = agent.tokenizer
@@ -288,8 +288,8 @@ def test_source_block_layout_takes_the_official_updates_in_the_official_order():
 
 
 def test_source_block_sizes_that_do_not_divide_are_refused():
-    from hacrl.pipeline import params
     from hacrl.errors import ConfigError
+    from hacrl.pipeline import params
 
     with pytest.raises(ConfigError, match=r"^rollout.prompts_per_iteration: .*not a whole number of "
                                                  r"mini-batches of 64 prompts"):

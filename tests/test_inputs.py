@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hacrl.ops.hashes import dvc_hash, file_md5
 from hacrl.ops.inputs import DamagedInput, verify
 from hacrl.pipeline.table import dvc_stage_id
-from hacrl.ops.hashes import dvc_hash, file_md5
 
 DVC_YAML = {"stages": {
     "prepare-data": {"cmd": "x", "outs": ["data/tasks"]},
@@ -76,9 +76,9 @@ def test_a_missing_input_says_which_stage_writes_it(tmp_path):
 
 def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_running(tmp_path):
     """Through the CLI, as DVC runs it (DVC_STAGE, DVC_ROOT): exit 2 (no retry), one line, nothing written."""
-    from conftest import SMOKE
-
     from hacrl.pipeline import params
+
+    from conftest import SMOKE
 
     ws = _workspace(tmp_path)
     params.write_params(params.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
@@ -93,8 +93,8 @@ def test_hacrl_stage_refuses_a_damaged_input_in_one_line_and_logs_nothing_as_run
 
 
 def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_path):
-    from hacrl.pipeline import params
     from hacrl.ops.inputs import stamp
+    from hacrl.pipeline import params
 
     model = tmp_path / "my model"
     model.mkdir()

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from conftest import make_agent
+from hacrl.agents.scoring import pack, token_logprobs
 from hacrl.rollout.engine import SamplingParams
 from hacrl.rollout.hf import HFEngine
-from hacrl.agents.scoring import pack, token_logprobs
+
+from conftest import make_agent
 
 
 @pytest.mark.parametrize("arch, kind", [("gpt2", "bytelevel_bpe"), ("llama", "bytelevel_unigram"),

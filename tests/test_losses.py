@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, GroupAdvantageOptions, GspoOptions,
-                              LossInputs, kl_k3)
+from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, ClipOptions, GroupAdvantageOptions,
+                                 GspoOptions, LossInputs, kl_k3)
 
 
 def run_loss(name, new, old, adv, mask, clip_low, clip_high):
@@ -115,8 +115,8 @@ def group_inputs_without_pool_stats(r):
 def test_a_name_registers_once_and_options_are_typed():
     from dataclasses import dataclass
 
-    from hacrl.rl.algorithms import LOSSES, build_options, register_advantage, register_loss
     from hacrl.errors import ConfigError
+    from hacrl.rl.algorithms import LOSSES, build_options, register_advantage, register_loss
 
     with pytest.raises(ValueError, match="registered twice"):
         register_advantage("grpo", GroupAdvantageOptions)(lambda inp, opts: inp.rewards)

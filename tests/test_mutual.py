@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, GroupAdvantageOptions, LossInputs, PrpOptions,
-                              SgtOptions, sgt_choose, sgt_gate, sgt_rows)
 from hacrl.errors import ConfigError
+from hacrl.rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, GroupAdvantageOptions, LossInputs,
+                                 PrpOptions, SgtOptions, sgt_choose, sgt_gate, sgt_rows)
 
 
 def loss_inputs(logp, old, mask, adv, is_self, behavior=None, rewards=None, groups=None, verified=None, key=None):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hacrl.ops.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
 from hacrl.ops.hashes import dvc_hash
+from hacrl.ops.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
 from hacrl.ops.tracking import flatten, sanitize
 
 
@@ -166,11 +166,11 @@ def test_a_failed_stage_is_one_line_naming_its_own_error():
 
 
 def test_the_flow_runs_report_links_accuracy_to_checkpoints_and_mlflow(tmp_path):
-    from conftest import SMOKE
-
-    from hacrl.pipeline import params
     from hacrl.ops.orchestration import iteration_markdown
+    from hacrl.pipeline import params
     from hacrl.storage import write_json
+
+    from conftest import SMOKE
 
     cfg = params.from_dict(params.compose(SMOKE))
     write_json(tmp_path / "runs" / "it2" / "eval_metrics.json",

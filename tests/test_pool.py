@@ -2,9 +2,10 @@ import dataclasses
 
 import pytest
 
-from conftest import make_agent
-from hacrl.errors import ConfigError
 from hacrl.agents.pool import load_agent, save_agent
+from hacrl.errors import ConfigError
+
+from conftest import make_agent
 
 KINDS = ["bytelevel_bpe", "metaspace_bpe", "bytelevel_unigram"]
 
@@ -81,9 +82,9 @@ def test_unigram_ids_are_the_same_in_every_process():
 def test_the_shared_tokenizer_pool_trains_one_tokenizer_for_both_agents(tiny_problems):
     """agents=embedded_shared_tok: the same tokenizer configuration and template give the
     identical tokenizer (same vocabulary, same ids), so THL is the identity between them."""
+    from hacrl.agents.pool import build_model, train_tokenizer
     from hacrl.pipeline import params
     from hacrl.task.data import completion_text
-    from hacrl.agents.pool import build_model, train_tokenizer
 
     cfg = params.from_dict(params.compose(["agents=embedded_shared_tok"]))
     small, large = cfg.agents

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE, dvc_workspace
-
 from hacrl.ops.launch import flow_failure
 from hacrl.ops.orchestration import workspace_lock
-from hacrl.pipeline.table import iteration_stages
 from hacrl.ops.services import client_env
+from hacrl.pipeline.table import iteration_stages
+
+from conftest import SMOKE, dvc_workspace
 
 pytestmark = pytest.mark.slow
 

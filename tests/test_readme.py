@@ -80,11 +80,11 @@ def test_the_readme_comparisons_are_valid_plans(tmp_path):
 
 
 def test_the_readme_mlflow_commands_list_the_experiment_and_its_runs(tmp_path):
-    from conftest import SMOKE
-
+    from hacrl.ops.tracking import Tracker
     from hacrl.pipeline import params
     from hacrl.pipeline.result import StageResult
-    from hacrl.ops.tracking import Tracker
+
+    from conftest import SMOKE
 
     cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from hacrl.config import schema as config
 from hacrl.config import build
-from hacrl.pipeline import params
+from hacrl.config import schema as config
 from hacrl.errors import ConfigError
+from hacrl.pipeline import params
 from hacrl.resources import PlanError, plan
 
 AGENTS = ["small", "mid", "large"]

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool,
-                           check, fast_verdict, reward_of)
+from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool, check,
+                                fast_verdict, reward_of)
 
 
 @pytest.mark.parametrize("gold, response, verdict", [

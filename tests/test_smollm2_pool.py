@@ -12,10 +12,10 @@ import os
 
 import pytest
 
+from hacrl.exchange.experience import read_records
 from hacrl.pipeline import params, table
 from hacrl.pipeline.engines import vllm_python
 from hacrl.pipeline.in_process import run_in_process
-from hacrl.exchange.experience import read_records
 from hacrl.storage import RunLayout
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE
-
 from hacrl.ops import stage_server
+
+from conftest import SMOKE
 
 
 @pytest.fixture()

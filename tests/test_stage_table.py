@@ -4,10 +4,10 @@ import re
 
 import yaml
 
-from conftest import ROOT
-
 from hacrl.exchange import experience
 from hacrl.pipeline import table
+
+from conftest import ROOT
 
 
 def _dvc() -> dict:

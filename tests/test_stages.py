@@ -4,17 +4,15 @@ math-verify); the DVC path is tested in test_e2e_dvc.py."""
 import os
 
 import pytest
+from test_experience import plain
 
-from conftest import SMOKE
-
-from hacrl.pipeline import params
-from hacrl.rl.rescues import RESCUED_FILE
-from hacrl.pipeline import table
 from hacrl.errors import NonFiniteLossError
 from hacrl.exchange.experience import read_records, write_records
-from test_experience import plain
+from hacrl.pipeline import params, table
+from hacrl.rl.rescues import RESCUED_FILE
 from hacrl.storage import RunLayout, read_json
 
+from conftest import SMOKE
 
 
 def smoke_config(tmp_path, extra=()):
@@ -141,8 +139,8 @@ def test_sharing_algorithms_train_on_retokenised_peer_records(pipeline, tmp_path
                                                  add_special_tokens=False)["input_ids"]
     assert tok.decode(peer["input_response_ids"], skip_special_tokens=True) == peer["response_text"]
     # the learner's input is a function of the published shards, its tokenizer and template alone
-    from hacrl.exchange.experience import LearnerView, subscribe
     from hacrl.agents.pool import load_tokenizer
+    from hacrl.exchange.experience import LearnerView, subscribe
 
     published = {p.name: {k: read_records(lay.published(1, p.name, k), k)
                           for k in ("trajectory", "verified_success", "reward_stats")} for p in cfg_s.agents}
@@ -304,8 +302,7 @@ def test_a_first_update_writes_the_same_train_state_twice(pipeline, tmp_path):
 
 def test_dvc_metrics_hold_the_headline_per_agent():
     """`dvc metrics show` prints a few columns per agent; the rest stays in the history file."""
-    from hacrl.pipeline.stages.evaluate import HEADLINE
-    from hacrl.pipeline.stages.evaluate import headline_metrics
+    from hacrl.pipeline.stages.evaluate import HEADLINE, headline_metrics
 
     full = {"iteration": 2, "agents": {"a": {"eval_accuracy": 0.5, "eval_stderr": 0.01, "eval_n": 1200,
                                              "by_level": {"1": 0.6}, "train_reward": 0.4, "entropy": 1.2},

@@ -41,9 +41,9 @@ def toks(tmp_path_factory) -> Toks:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from hacrl.agents.pool import train_tokenizer
     from hacrl.config.schema import TokenizerConfig
     from hacrl.task.data import completion_text, generate_split
-    from hacrl.agents.pool import train_tokenizer
 
     levels = {"add": 1.0, "sub": 1.0, "mul": 0.5, "frac": 0.5, "add3": 0.5}
     corpus = [f"Q: {p['problem']}\nA:{completion_text(p['answer'])}"

@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import SMOKE
-
-from hacrl.pipeline import params
 from hacrl.ops import track_queue
+from hacrl.pipeline import params
+
+from conftest import SMOKE
 
 
 def _cfg(tmp_path: Path):

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE
-
+from hacrl.ops.hashes import dvc_hash
+from hacrl.ops.tracking import Tracker
 from hacrl.pipeline import params
 from hacrl.pipeline.result import Input, Series, StageResult
 from hacrl.storage import RunLayout, read_json
-from hacrl.ops.hashes import dvc_hash
-from hacrl.ops.tracking import Tracker
+
+from conftest import SMOKE
 
 AGENTS = ("gpt2-a", "llama-b")
 

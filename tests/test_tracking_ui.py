@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from hacrl.pipeline import params
 from hacrl.ops.services import service_env
 from hacrl.ops.tracking import runs_url
+from hacrl.pipeline import params
 
 
 def test_serve_links_the_experiments_training_runs(tmp_path, monkeypatch):

@@ -19,12 +19,11 @@ import os
 
 import pytest
 
-from conftest import ROOT, SMOKE
-
-from hacrl.pipeline import params
-from hacrl.pipeline import table
 from hacrl.exchange.experience import read_records, write_records
+from hacrl.pipeline import params, table
 from hacrl.storage import RunLayout
+
+from conftest import ROOT, SMOKE
 
 PINS = json.loads((ROOT / "tests" / "data" / "update_pins.json").read_text())
 

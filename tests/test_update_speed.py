@@ -14,13 +14,12 @@ import os
 import pytest
 import torch
 
-from conftest import SMOKE, make_agent
-
-from hacrl.pipeline import params
-from hacrl.pipeline import table
-from hacrl.exchange.experience import read_records
 from hacrl.agents.scoring import pack, response_span, token_logprobs
+from hacrl.exchange.experience import read_records
+from hacrl.pipeline import params, table
 from hacrl.storage import RunLayout
+
+from conftest import SMOKE, make_agent
 
 
 def _batch(agent, n=24):
@@ -78,8 +77,8 @@ def iteration1(tmp_path_factory):
 
 def _update(cfg, tmp, name, **trainer):
     from hacrl.agents.pool import load_agent
-    from hacrl.storage import read_json
     from hacrl.rl.update import train_learner
+    from hacrl.storage import read_json
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
     lay = RunLayout(cfg.experiment.runs_dir)

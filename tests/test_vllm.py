@@ -31,9 +31,9 @@ LOGPROB_TOL = 1e-4
 def _model(tmp, tiny_problems, tied: bool):
     """A llama of head_dim 32 (vLLM's CPU attention refuses 16 and 24), saved with its
     tokenizer; weights at a wide init so greedy choices are not near-ties."""
+    from hacrl.agents.pool import build_model, train_tokenizer
     from hacrl.config.schema import AgentConfig, TokenizerConfig
     from hacrl.task.data import completion_text
-    from hacrl.agents.pool import build_model, train_tokenizer
 
     ac = AgentConfig(name="llama-v", arch="llama",
                      model_config={"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -33,6 +33,11 @@ def _setup_logging(level: str = "INFO") -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.doc:  # the settings reference (docs/CONFIG.md), from the schema
+        from hacrl.config.doc import reference
+
+        print(reference())
+        return 0
     from hacrl.pipeline.params import compose, keep_extension, write_params
 
     data = compose(args.overrides)
@@ -52,8 +57,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     write_params(data, out)
     print(f"wrote {out} ({data['algorithm']['name']}, {len(data['agents'])} agents, "
           f"{data['experiment']['iterations']} iterations)")
-    from hacrl.pipeline.params import from_dict
     from hacrl.ops.tracking import foreign_store
+    from hacrl.pipeline.params import from_dict
 
     foreign = foreign_store(from_dict(data), Path("."))
     if foreign:
@@ -116,8 +121,8 @@ def cmd_input_stamp(args: argparse.Namespace) -> int:
 
 def cmd_track(args: argparse.Namespace) -> int:
     """Log the stage records still queued for MLflow, after any flusher still at work."""
-    from hacrl.pipeline import params
     from hacrl.ops import track_queue
+    from hacrl.pipeline import params
 
     cfg = params.load(args.params)
     if not cfg.tracking.enabled:
@@ -143,8 +148,8 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from hacrl.rl import algorithms
     from hacrl.pipeline.params import CONF_DIR
+    from hacrl.rl import algorithms
 
     print("presets (conf/algorithm/, select with algorithm=NAME):")
     for f in sorted((CONF_DIR / "algorithm").glob("*.yaml")):
@@ -184,9 +189,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from hacrl.errors import ConfigError
     from hacrl.study.bench import SUITES
     from hacrl.study.bench.runner import SIZES, run_suite
-    from hacrl.errors import ConfigError
 
     if args.suite != "all" and args.suite not in SUITES:
         raise ConfigError(f"bench: unknown suite {args.suite!r} (choose from all, {', '.join(SUITES)})")
@@ -280,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algorithm=gspo rollout.group_size=4")
     c.add_argument("--out", default="params.yaml")
     c.add_argument("--check", action="store_true", help="only check that --out equals the composition")
+    c.add_argument("--doc", action="store_true", help="print every setting (default, type, rule, what it does) "
+                                                      "as Markdown: docs/CONFIG.md")
     c.set_defaults(fn=cmd_config)
     from hacrl.pipeline import table  # the stage table: names only, no stage code
 

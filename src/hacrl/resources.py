@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hacrl.errors import ConfigError
 from hacrl.config.schema import ResourcesConfig, StageResources
+from hacrl.errors import ConfigError
 
 STAGES = ("rollout", "update")
 """The two device-hungry jobs of an agent in an iteration (evaluation reuses the rollout's)."""

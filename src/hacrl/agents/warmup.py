@@ -14,13 +14,13 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from hacrl.agents.pool import Agent
+from hacrl.agents.scoring import pack, token_logprobs
 from hacrl.config.schema import WarmupConfig
-from hacrl.task.data import target_text
 from hacrl.rollout.engine import SamplingParams
 from hacrl.rollout.hf import HFEngine
-from hacrl.agents.pool import Agent
+from hacrl.task.data import target_text
 from hacrl.task.rewards import CORRECT, VerifierPool
-from hacrl.agents.scoring import pack, token_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -114,6 +114,8 @@ class Settings:
 
 @dataclass
 class ExperimentConfig(Settings):
+    """The experiment as a whole: its name, seed, length and where its files go."""
+
     name: str = setting("embedded-arith", pattern=r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}",
                         why="letters, digits, spaces, '.', '_' and '-', starting with a letter or digit")
     """The experiment's name: MLflow experiment, registered-model prefix, Prefect artifact key."""
@@ -124,25 +126,34 @@ class ExperimentConfig(Settings):
     threads: int = setting(2, ge=1)
     """torch intra-op threads per stage process (never run two 2-thread torch jobs at once)."""
     runs_dir: str = "runs"
+    """Where the iterations' artifacts go (``runs/itT/...``, DVC-tracked)."""
     reports_dir: str = "reports"
+    """Where the report stage writes the summary, curves and plots."""
 
 
 @dataclass
 class DataConfig(Settings):
+    """The task: the built-in procedural arithmetic, or local problem files."""
+
     source: str = setting("procedural", choices=("procedural", "files"))
     """``procedural`` (built-in arithmetic task) or ``files`` (local JSONL/Parquet)."""
     levels: dict[str, float] = setting(factory=lambda: {"add": 0.4, "sub": 0.4, "add3": 0.2}, ge=0)
     """Difficulty levels of the procedural task and their sampling weights (add, sub, add3, mul,
     frac); a level is added with ``data.levels.mul=0.5``, removed with ``~data.levels.add``."""
     max_operand: int = setting(99, ge=1)
+    """The largest operand of a procedural problem."""
     train_size: int = setting(15000, ge=0)
+    """Procedural training problems (>= 1 for the procedural task)."""
     heldout_size: int = setting(1200, ge=0)
+    """Procedural held-out problems (the evaluation's; >= 1 for the procedural task)."""
     dev_size: int = setting(300, ge=1)
+    """Dev problems: the warm-up's stopping set (files: drawn from the training file)."""
     heldout_fraction: float = setting(0.2, gt=0, lt=1)
     """Fraction of the problem space reserved (by hash) for held-out and dev problems."""
     train_path: str | None = None
     """``files``: the training problems (JSONL or Parquet rows with ``problem`` and ``answer``)."""
     heldout_path: str | None = None
+    """``files``: the held-out problems, same format."""
     on_bad_row: str = setting("error", choices=("error", "skip"))
     """``error``: a malformed row fails with file and line; ``skip``: skipped and counted."""
     completion: str = setting("answer", choices=("answer", "worked"))
@@ -167,6 +178,7 @@ class TokenizerConfig(Settings):
     """An embedded agent's tokenizer, trained on the task's texts (``hacrl.agents.pool``:
     bytelevel_bpe, metaspace_bpe, bytelevel_unigram)."""
     vocab_size: int = setting(300, ge=1)
+    """Vocabulary of the trained tokenizer (specials and the byte alphabet included)."""
     path: str | None = None
     """For a real model: a local tokenizer directory (defaults to the model path)."""
 
@@ -178,13 +190,20 @@ class WarmupConfig(Settings):
     max_steps: int = setting(0, ge=0)
     """Supervised warm-up budget in steps; 0 (the default, e.g. for a real pretrained model) skips it."""
     min_steps: int = setting(0, ge=0)
+    """Steps before the target may stop the warm-up."""
     lr: float = setting(3e-3, gt=0)
+    """AdamW's learning rate of the supervised warm-up."""
     batch_size: int = setting(128, ge=1)
+    """Problems per warm-up step."""
     eval_every: int = setting(100, ge=1)
+    """Steps between two dev evaluations (each may stop the warm-up)."""
 
 
 @dataclass
 class AgentConfig(Settings):
+    """One agent of the pool: an embedded model built from a transformers config, or a real one
+    given by path (or fetched offline)."""
+
     name: str = ""
     """Letters, digits, '-', '_' and '.'; unique in the pool (checked with the pool)."""
     arch: str = "gpt2"
@@ -258,6 +277,7 @@ class CapabilityConfig(Settings):
     window: int = setting(5, ge=1)
     """K: P_hat is the mean step accuracy over the last K steps, the current one included."""
     omega_min: float = setting(0.1, gt=0, le=1)
+    """Lower clamp of the capability ratio."""
     omega_max: float = setting(10.0, ge=1)
     """Clamp of the capability ratio omega[a][b] = P_hat[a] / P_hat[b]: 0 < omega_min <= 1 <= omega_max."""
     warmup_steps: int = setting(0, ge=0)
@@ -315,6 +335,8 @@ class AlgorithmConfig(Settings):
 
 @dataclass
 class RolloutConfig(Settings):
+    """What generate-rollouts samples: the step's prompts, G samples each, per agent."""
+
     engine: str = "hf"
     """Rollout engine, a name of the engine table (``hacrl.rollout.table``): ``hf`` (transformers
     generate in the stage's process) or ``vllm`` (vLLM in its own environment and process, ``make
@@ -324,30 +346,41 @@ class RolloutConfig(Settings):
     prompts_per_iteration: int = setting(512, ge=1)
     """The same prompts for every agent, chosen from the seed and the iteration."""
     temperature: float = setting(1.0, gt=0)
+    """Sampling temperature; the recorded log-probs are at this temperature, as the trainer's."""
     top_p: float = setting(1.0, gt=0, le=1)
+    """Nucleus sampling (1: off; the recorded log-probs do not fold it in)."""
     max_new_tokens: int = setting(20, ge=1)
+    """Response budget per sample (a response cut here is ``finish_reason: length``)."""
     batch_size: int = setting(512, ge=1)
     """Sequences per generate call (an engine that schedules its own batches, vLLM, ignores it)."""
 
 
 @dataclass
 class TrainerConfig(Settings):
+    """How update-policies updates each learner (DeepSpeed or plain torch, AdamW)."""
+
     backend: str = setting("deepspeed", choices=("deepspeed", "torch"))
     """``deepspeed``: a DeepSpeed engine (the CPU accelerator with gloo here) around a client torch
     AdamW; ``torch``: the same optimizer without DeepSpeed."""
     zero_stage: int = setting(0, choices=(0, 1, 2, 3))
+    """DeepSpeed ZeRO stage (0-2 at world size > 1: the export needs whole weights on every rank)."""
     lr: float = setting(5e-4, gt=0)
+    """The RL learning rate (AdamW)."""
     lr_warmup_updates: int = setting(10, ge=0)
     """Linear ramp of the RL learning rate over the first updates (fresh optimizers collapse)."""
     mini_batch_prompts: int = setting(128, ge=1)
     """Whole prompt groups per optimizer update (512 prompts / 128: 4 updates of 1,024 samples per
     iteration in the embedded experiment)."""
     epochs: int = setting(1, ge=1)
+    """Passes over a learner's input per iteration."""
     grad_clip: float = setting(1.0, gt=0)
+    """Clip of the gradient norm per optimizer update."""
     weight_decay: float = setting(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """Adam's (beta1, beta2): two numbers in [0, 1)."""
     dtype: str = setting("fp32", choices=("fp32", "bf16"))
+    """Weights' and activations' dtype in the trainer (and vLLM's)."""
     recompute_old_logprobs: bool = True
     """pi_old from the trainer's own forward before the step's first update (as verl does);
     False uses the generation log-probs recorded with the rollouts."""
@@ -377,6 +410,8 @@ class TrainerConfig(Settings):
 
 @dataclass
 class RewardConfig(Settings):
+    """How verify-rewards checks answers (math-verify in killable worker processes)."""
+
     timeout_s: float = setting(5.0, gt=0)
     """Per-answer limit; a hung check is killed, its record gets verdict ``timeout``."""
     workers: int = setting(2, ge=1)
@@ -389,8 +424,12 @@ class RewardConfig(Settings):
 
 @dataclass
 class EvalConfig(Settings):
+    """Greedy pass@1 on the held-out split after every iteration (and of the warm-up)."""
+
     batch_size: int = setting(600, ge=1)
+    """Sequences per generate call."""
     max_new_tokens: int = setting(20, ge=1)
+    """Response budget of a held-out answer."""
 
 
 # ----------------------------------------------------------------------------- how it runs (no effect on results)
@@ -427,15 +466,18 @@ class OrchestrationConfig(Settings):
     retries: int = setting(1, ge=0)
     """Retries of a failed stage task (transient failures; config and data errors never retry)."""
     retry_delay_s: float = setting(5.0, ge=0)
+    """Seconds between a failed stage task and its retry."""
     lock_timeout_s: float = setting(600.0, ge=0)
     """How long a second iterate run waits for the workspace lock before failing (0: fail at once)."""
     gpu_routing: str = setting("auto", choices=("auto", "pool", "local"))
     """``auto``: run update-policies on ``gpu_pool`` when a worker is online there, else in the
     flow (CPU pool); ``pool``: always on ``gpu_pool``; ``local``: always in the flow."""
     gpu_pool: str = "gpu"
+    """The Prefect work pool of GPU stages (``hacrl serve`` creates it)."""
     gpu_deployment: str = setting("hacrl-stage/gpu", pattern=r".*/.*", why="flow/deployment")
     """The deployment (flow/name) that runs one stage on ``gpu_pool``."""
     cpu_pool: str = "cpu"
+    """The Prefect work pool of the iterate flow."""
 
 
 @dataclass
@@ -443,7 +485,9 @@ class TrackingConfig(Settings):
     """MLflow lineage. URI: ``uri`` if set, else ``$MLFLOW_TRACKING_URI``, else a project sqlite file."""
 
     enabled: bool = True
+    """Log every stage to MLflow (False: no store is touched)."""
     uri: str | None = None
+    """The tracking URI (credentials in it are redacted wherever it is logged)."""
     artifact_dir: str = "mlartifacts"
     """Where a new experiment keeps its artifacts (relative to the project)."""
     register_models: bool = True
@@ -487,9 +531,12 @@ class StageResources(Settings):
 
 @dataclass
 class AgentResourcesConfig(Settings):
+    """One agent's needs, per stage kind."""
+
     rollout: StageResources = field(default_factory=StageResources)
     """Rollouts and evaluation (the generation engine)."""
     update: StageResources = field(default_factory=StageResources)
+    """Its policy updates (the trainer)."""
 
 
 @dataclass

@@ -106,8 +106,8 @@ def _hash(project: Path, path: Path) -> str:
     """DVC's hash of ``path``, each file's md5 memoised by (size, mtime, ctime, inode) in
     ``.dvc/tmp/hacrl-md5.json``: a stage start stats its inputs instead of reading them again
     (DVC hashed them a moment ago). Any write to a file changes its ctime, which no tool sets."""
-    from hacrl.storage import atomic_write_text
     from hacrl.ops.hashes import dvc_hash, file_md5
+    from hacrl.storage import atomic_write_text
 
     cache_file = project / ".dvc" / "tmp" / "hacrl-md5.json"
     try:
@@ -183,10 +183,10 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     hash of the input (a file's md5, a directory's DVC tree hash), so that the stages reading it
     (prepare-data, prepare-pool) are stale exactly when its content changed. The placeholder
     entry (nothing external) gets a constant stamp."""
-    from hacrl.errors import ConfigError
     from hacrl.config.build import read_yaml
-    from hacrl.storage import atomic_write_text
+    from hacrl.errors import ConfigError
     from hacrl.ops.hashes import dvc_hash
+    from hacrl.storage import atomic_write_text
 
     project = Path(project)
     entries = (read_yaml(project / params) or {}).get("external_inputs") or {}

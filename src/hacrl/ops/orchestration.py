@@ -9,6 +9,7 @@ Nothing here imports Prefect; it is tested on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -18,10 +19,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-
 
 from hacrl.config.build import read_yaml
 from hacrl.errors import ConfigError

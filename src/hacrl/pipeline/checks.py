@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from hacrl import resources
 from hacrl.agents import pool, pretrained
 from hacrl.config.schema import Config, check
 from hacrl.exchange import experience
@@ -21,7 +22,6 @@ from hacrl.rl import algorithms
 from hacrl.rollout.table import ENGINES
 from hacrl.task import data as task_data
 from hacrl.task import rewards
-from hacrl import resources
 
 
 def validate(cfg: Config) -> Config:

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from hacrl.config.schema import Config
-from hacrl.pipeline.params import from_dict
 from hacrl.errors import NonFiniteLossError
+from hacrl.pipeline.params import from_dict
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hacrl.pipeline.learner import update_agent
-    from hacrl.storage import write_json
     from hacrl.rl.trainer import init_distributed, world
+    from hacrl.storage import write_json
 
     torch.set_num_threads(int(os.environ.get("HACRL_THREADS", "1")))
     cfg = from_dict(json.loads(Path(args.config).read_text()))

@@ -16,11 +16,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hacrl.rl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
-from hacrl.config.schema import Config
-from hacrl.groups import pooled_reward_stats
 from hacrl.agents.pool import Agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
+from hacrl.config.schema import Config
+from hacrl.groups import pooled_reward_stats
+from hacrl.rl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
 from hacrl.rl.trainer import PolicyOptimizer, seed_rng, world
 from hacrl.rollout.table import engine_spec
 

@@ -29,7 +29,6 @@ import sys
 import time
 import traceback
 
-
 _OUT = None
 
 

@@ -23,11 +23,11 @@ DEFAULT_REPS = 3
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     import time
 
-    from hacrl.pipeline.common import layout
-    from hacrl.pipeline import table
+    from hacrl.agents.pool import load_tokenizer
     from hacrl.exchange import thl
     from hacrl.exchange.experience import adapt_response, read_records
-    from hacrl.agents.pool import load_tokenizer
+    from hacrl.pipeline import table
+    from hacrl.pipeline.common import layout
 
     with workspace(size, work_dir) as cfg:
         t = 1

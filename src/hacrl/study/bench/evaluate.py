@@ -46,8 +46,8 @@ def bare_greedy(cfg, t: int = 0) -> int:
 
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
-    from hacrl.pipeline.common import split
     from hacrl.pipeline import table
+    from hacrl.pipeline.common import split
 
     with workspace(size, work_dir) as cfg:
         def stage() -> dict:

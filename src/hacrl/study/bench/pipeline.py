@@ -94,8 +94,8 @@ def _prefect_timeline(ws: Path, flow_run_id: str, cli_start: float, cli_end: flo
 
 def scratch_workspace(size: str, ws: Path, project: Path) -> None:
     """A DVC workspace at ``ws`` with iteration 0 done (recorded in its dvc.lock)."""
-    from hacrl.study.bench.workspace import SMOKE
     from hacrl.pipeline import table
+    from hacrl.study.bench.workspace import SMOKE
 
     ws.mkdir(parents=True)
     for item in ITEMS:
@@ -123,10 +123,9 @@ def scratch_workspace(size: str, ws: Path, project: Path) -> None:
 
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
-    from hacrl.pipeline import params
-    from hacrl.pipeline import table
-    from hacrl.pipeline.table import iteration_stages, stage_id
     from hacrl.ops.services import serve, stop
+    from hacrl.pipeline import params, table
+    from hacrl.pipeline.table import iteration_stages, stage_id
 
     project = Path(".").resolve()
     ws = work_dir / "ws"

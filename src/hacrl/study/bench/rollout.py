@@ -24,11 +24,11 @@ def bare_generate(cfg, t: int = 1) -> int:
     to its EOS; count the new tokens."""
     import torch
 
-    from hacrl.task import data as task_data
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.common import split as _split
     from hacrl.pipeline.common import hash_seed
+    from hacrl.pipeline.common import split as _split
     from hacrl.storage import RunLayout
+    from hacrl.task import data as task_data
 
     r = cfg.rollout
     prompts = task_data.prompts_for_iteration(_split(cfg, "train"), r.prompts_per_iteration, cfg.experiment.seed, t)

@@ -37,8 +37,8 @@ OVERRIDES = {
 
 
 def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> SuiteResult:
-    from hacrl.pipeline.engines import vllm_python
     from hacrl.pipeline import table
+    from hacrl.pipeline.engines import vllm_python
 
     # the converted model of the project's own SmolLM2 runs, if there is one: no second fetch
     mine = project.resolve() / MODEL_DIR

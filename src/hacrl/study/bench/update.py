@@ -57,10 +57,10 @@ def _load(cfg, name: str, t: int):
 
 def _ours(agent, cfg, name: str, t: int, state_dir: Path) -> dict:
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.common import layout as _layout
     from hacrl.pipeline.common import hash_seed
-    from hacrl.storage import read_json
+    from hacrl.pipeline.common import layout as _layout
     from hacrl.rl.update import train_learner
+    from hacrl.storage import read_json
 
     lay = _layout(cfg)
     batch = read_records(lay.learner_input(t, name), "learner_input")
@@ -77,12 +77,12 @@ def _trl_inputs(cfg, name: str, t: int):
     the advantages the stage's estimator gives, in the stage's mini-batch count."""
     import torch
 
-    from hacrl.rl.algorithms import ADVANTAGES
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.common import layout as _layout
     from hacrl.pipeline.common import hash_seed
-    from hacrl.storage import read_json
+    from hacrl.pipeline.common import layout as _layout
+    from hacrl.rl.algorithms import ADVANTAGES
     from hacrl.rl.update import advantage_inputs, layout
+    from hacrl.storage import read_json
 
     lay = _layout(cfg)
     batch = read_records(lay.learner_input(t, name), "learner_input")

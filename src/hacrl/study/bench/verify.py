@@ -249,10 +249,10 @@ def overshoot(timeout_s: float = TIMEOUT_S) -> dict:
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     """Compare the stage with a bare pool and a serial loop on the mixed corpus of ``size``."""
-    from hacrl.pipeline import table
     from hacrl.exchange.experience import read_records
-    from hacrl.task.rewards import VerifierPool, check
+    from hacrl.pipeline import table
     from hacrl.storage import RunLayout
+    from hacrl.task.rewards import VerifierPool, check
 
     _quiet()
     cfg = bench_config(work_dir)

@@ -15,8 +15,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from hacrl.pipeline import params
 from hacrl.config.schema import Config
+from hacrl.pipeline import params
 
 log = logging.getLogger(__name__)
 
