@@ -31,6 +31,7 @@ from pathlib import Path
 from hacrl.pipeline import params, table
 from hacrl.pipeline.common import split
 from hacrl.pipeline.engines import vllm_python
+from hacrl.pipeline.in_process import prepare_experiment
 from hacrl.pipeline.stages.generate_rollouts import logprob_gap
 from hacrl.storage import RunLayout
 
@@ -56,9 +57,11 @@ def _timed(timings: dict, name: str, fn, *args):
 def iteration(cfg, t: int, live: dict | None = None) -> tuple[dict, dict]:
     """Seconds per stage of iteration ``t`` and the rollout stats."""
     timings: dict = {}
-    roll = _timed(timings, "generate-rollouts", table.run, "generate-rollouts", cfg, t, live)
-    for name in ("verify-rewards", "exchange-and-align", "compute-capability-stats", "update-policies", "evaluate"):
-        _timed(timings, name, table.run, name, cfg, t)
+    roll: dict = {}
+    for s in table.STAGES:  # the iteration's stages in order; the rollouts keep their engines
+        if s.kind == table.ITERATION:
+            out = _timed(timings, s.name, table.run, s.name, cfg, t, *([live] if s.live_engines else []))
+            roll = out if s.live_engines else roll
     return timings, roll
 
 
@@ -134,9 +137,7 @@ def main() -> None:
 
     hf = _cfg(work, "rollout.engine=hf")
     prep: dict = {}
-    for name in ("prepare-data", "prepare-pool"):
-        _timed(prep, name, table.run, name, hf, 0)
-    _timed(prep, "evaluate-warmup", table.run, "evaluate", hf, 0)
+    prepare_experiment(hf, lambda name, t: _timed(prep, table.dvc_stage_id(name, t), table.run, name, hf, t))
     it1, roll1 = iteration(hf, 1)
     result["iteration_hf"] = {"prepare": prep, "stages": it1, "rollouts": roll1}
 

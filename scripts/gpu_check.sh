@@ -106,16 +106,13 @@ def stage(name, fn, *a, tokens=None):
     return out
 
 
-stage("prepare-data", table.run, "prepare-data", cfg)
-stage("prepare-pool", table.run, "prepare-pool", cfg)
-stage("evaluate-warmup", table.run, "evaluate", cfg, 0)
-roll = stage("generate-rollouts", table.run, "generate-rollouts", cfg, 1, tokens=lambda s: sum(v["tokens"] for v in s.values()))
-stage("verify-rewards", table.run, "verify-rewards", cfg, 1)
-stage("exchange-and-align", table.run, "exchange-and-align", cfg, 1)
-stage("compute-capability-stats", table.run, "compute-capability-stats", cfg, 1)
-upd = stage("update-policies", table.run, "update-policies", cfg, 1,
-            tokens=lambda s: sum(v.get("tokens_per_s", 0) * v.get("seconds", 0) for v in s.values()))
-stage("evaluate", table.run, "evaluate", cfg, 1)
+# every stage of the table in its order: the preparation (iteration 0), then iteration 1
+TOKENS = {"generate-rollouts": lambda s: sum(v["tokens"] for v in s.values()),
+          "update-policies": lambda s: sum(v.get("tokens_per_s", 0) * v.get("seconds", 0) for v in s.values())}
+for name in table.prepare_stages():
+    stage(name, table.run, table.of_dvc_stage(name).name, cfg, 0)
+out = {name: stage(name, table.run, name, cfg, 1, tokens=TOKENS.get(name)) for name in table.iteration_stages()}
+roll, upd = out["generate-rollouts"], out["update-policies"]
 wall = time.time() - t_all
 print(f"total {wall:.1f} s (goal: under 300 s)")
 for a, s in roll.items():

@@ -48,3 +48,11 @@ def test_a_cycle_inside_a_layer_breaks_the_contract(copy):
     _plant(copy, "hacrl.pipeline.table", "from hacrl.pipeline import in_process")
     p = _lint(copy)
     assert p.returncode != 0 and "No cycles between the modules of any package BROKEN" in p.stdout, p.stdout
+
+
+def test_package_init_files_are_empty():
+    """Nothing is re-exported: importing a package costs nothing, and a module's imports are all
+    it pays for (the config check stays torch-free, the stage server's preload is what it says)."""
+    full = [str(f.relative_to(ROOT)) for f in (ROOT / "src" / "hacrl").rglob("__init__.py")
+            if f.parent.name != "hacrl" and f.read_text().strip()]
+    assert not full, full

@@ -190,8 +190,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from hacrl.errors import ConfigError
-    from hacrl.study.bench import SUITES
-    from hacrl.study.bench.runner import SIZES, run_suite
+    from hacrl.study.bench.runner import SIZES, SUITES, run_suite
 
     if args.suite != "all" and args.suite not in SUITES:
         raise ConfigError(f"bench: unknown suite {args.suite!r} (choose from all, {', '.join(SUITES)})")

@@ -87,9 +87,11 @@ def check_rules(obj: Any) -> None:
         rule = f.metadata.get("rule")
         if rule is not None:
             value = getattr(obj, f.name)
-            problem = rule.problem(value)
-            if problem is not None:
-                raise ConfigError(f"{f.name}: invalid value {value!r} ({problem})")
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for k, v in items:  # a mapping's bad entry is named by its key
+                problem = rule.problem(v)
+                if problem is not None:
+                    raise ConfigError(f"{f.name}{'' if k is None else f'.{k}'}: invalid value {v!r} ({problem})")
 
 
 def check(cond: bool, key: str, value: Any, why: str) -> None:
@@ -137,9 +139,10 @@ class DataConfig(Settings):
 
     source: str = setting("procedural", choices=("procedural", "files"))
     """``procedural`` (built-in arithmetic task) or ``files`` (local JSONL/Parquet)."""
-    levels: dict[str, float] = setting(factory=lambda: {"add": 0.4, "sub": 0.4, "add3": 0.2}, ge=0)
+    levels: dict[str, float] = setting(factory=dict, ge=0)
     """Difficulty levels of the procedural task and their sampling weights (add, sub, add3, mul,
-    frac); a level is added with ``data.levels.mul=0.5``, removed with ``~data.levels.add``."""
+    frac). A task preset states its mix whole (``conf/data/arith.yaml``: add 0.4, sub 0.4, add3
+    0.2); a level is added with ``+data.levels.mul=0.5``, removed with ``~data.levels.add``."""
     max_operand: int = setting(99, ge=1)
     """The largest operand of a procedural problem."""
     train_size: int = setting(15000, ge=0)
@@ -167,7 +170,6 @@ class DataConfig(Settings):
         if self.source == "procedural":
             for key in ("train_size", "heldout_size"):  # unused by files (their rows are the data)
                 check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
-            check(sum(float(w) for w in self.levels.values()) > 0, "levels", self.levels, "no level has weight")
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -439,7 +441,8 @@ class EnginesConfig(Settings):
     """How the rollout engines run (no effect on results: the engine itself is ``rollout.engine``)."""
 
     vllm_python: str = ".venv-vllm/bin/python"
-    """The vLLM environment's interpreter (relative to the project root), built by ``make setup-vllm``."""
+    """The vLLM environment's interpreter (relative to the project root), built by ``make setup-vllm``;
+    Python 3.11 or later (the worker starts with ``-P``)."""
     vllm_threads: int = setting(0, ge=0)
     """CPU threads of a vLLM worker on a CPU host (0: ``experiment.threads``)."""
     vllm_kv_cache_gib: int = setting(1, ge=1)

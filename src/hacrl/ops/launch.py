@@ -40,7 +40,7 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
     """Create an iterate flow run named ``iterate-itT``; with ``watch``, follow it to the end.
 
     Returns 0 when it completed (or was only created), 1 when it failed. Raises
-    :class:`hacrl.config.schema.ConfigError` for an iteration that cannot run, :class:`NoPrefect`
+    :class:`hacrl.errors.ConfigError` for an iteration that cannot run, :class:`NoPrefect`
     without a server.
     """
     from prefect.client.orchestration import get_client

@@ -37,10 +37,13 @@ def validate(cfg: Config) -> Config:
         for lvl, w in d.levels.items():
             check(lvl in task_data.GENERATORS, f"data.levels.{lvl}", w,
                   f"unknown level; choose from {', '.join(task_data.GENERATORS)}")
+        check(sum(float(w) for w in d.levels.values()) > 0, "data.levels", d.levels,
+              f"no level has weight (levels: {', '.join(task_data.GENERATORS)}; e.g. data=arith)")
     else:
         for k in ("train_path", "heldout_path"):
             p = getattr(d, k)
-            check(bool(p) and Path(p).exists(), f"data.{k}", p, "file does not exist")
+            check(p is not None, f"data.{k}", p, f"required with data.source=files (data.{k}=/path/to/file.jsonl)")
+            check(Path(p).exists(), f"data.{k}", p, "file does not exist")
     _agents(cfg)
     return cfg
 

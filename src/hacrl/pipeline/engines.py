@@ -66,14 +66,20 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
         threads=e.vllm_threads or threads or cfg.experiment.threads, env=_worker_env(cfg, job),
         tensor_parallel_size=len(job.devices) if gpus else 1,
         max_batch_tokens=job.max_batch_tokens if job is not None else 0,
-        max_model_len=e.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings",
-                                                                    4096))),
+        max_model_len=0 if spec.in_process else _max_model_len(cfg, agent),
         sleep_mode=gpus and spec.can_sleep and cfg.resources.engine_release == "sleep",
         settings=dataclasses.replace(e, vllm_python=str(vllm_python(e.vllm_python))))
     engine = spec.load().open(request)
     if live is not None and spec.keeps_alive:
         live[ac.name] = engine
     return engine, ({} if engine.startup_s is None else {"engine_startup_s": round(engine.startup_s, 2)})
+
+
+def _max_model_len(cfg: Config, agent) -> int:
+    """Prompt + response tokens an engine process serves: ``engines.vllm_max_model_len``, else the
+    model's ``max_position_embeddings`` (at most 4096)."""
+    return cfg.engines.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings",
+                                                                   None) or 4096))
 
 
 def _worker_env(cfg: Config, job: Job | None) -> dict | None:

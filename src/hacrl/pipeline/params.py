@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config.build import build, dump_yaml, read_yaml
-from hacrl.config.schema import AlgorithmConfig, Config
+from hacrl.config.schema import AgentConfig, AlgorithmConfig, Config
 from hacrl.errors import ConfigError
 from hacrl.storage import atomic_write_text
 
@@ -146,7 +146,7 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
     # (the registered options, AgentConfig), so a plain `algorithm.loss.alpha=0` or
     # `agents.pool.0.path=...` may set a key its preset does not spell out: force-add those (a
     # misspelt key is then refused by the typed build, naming the keys it has)
-    overrides = [f"++{ov}" if ov.startswith(("algorithm.", "agents.")) else ov for ov in overrides]
+    overrides = [f"++{ov}" if ov.startswith("algorithm.") or _agent_field(ov) else ov for ov in overrides]
     ConfigStore.instance().store(name=DEFAULTS_NODE, node=defaults())
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
@@ -216,6 +216,25 @@ def _agent_overrides(overrides: list[str], conf_dir: Path) -> list[str]:
             idx = int(head)
         out.append(f"{sign}agents.pool.{idx}.{rest}")
     return out
+
+
+def _agent_field(ov: str) -> bool:
+    """Whether override ``ov`` sets a declared field of an agent (``agents.pool.N.warmup.lr=...``):
+    those may be missing from a pool preset, which names only what differs from AgentConfig's
+    defaults. A key inside a free mapping (``model_config``) is not one: a misspelt transformers
+    argument must not slip in (Hydra refuses it; ``+`` adds one on purpose)."""
+    import re
+    import typing
+
+    m = re.match(r"^agents\.pool\.\d+\.([^=]+)=", ov)
+    if not m:
+        return False
+    cls: Any = AgentConfig
+    for part in m.group(1).split("."):
+        if not dataclasses.is_dataclass(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+            return False
+        cls = typing.get_type_hints(cls)[part]
+    return True
 
 
 def _check_override_key(ov: str, conf_dir: Path) -> None:

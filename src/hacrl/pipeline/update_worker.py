@@ -2,7 +2,7 @@
 
 ``update-policies`` calls :func:`launch` for each learner when ``trainer.world_size`` > 1. It
 starts ``world_size`` ranks of ``python -m hacrl.pipeline.update_worker`` on this host. Each rank runs
-the same :func:`hacrl.pipeline.stages.update_agent` on its share of every mini-batch (whole prompt
+the same :func:`hacrl.pipeline.learner.update_agent` on its share of every mini-batch (whole prompt
 groups, :func:`hacrl.rl.update.rank_rows`).
 
 - **Rendezvous:** the ranks meet through a file in the stage's scratch directory, so no store

@@ -2,7 +2,7 @@
 
 The pool and the task data are prepared once (``<out>/base``); every contender x seed starts
 from that iteration-0 state and runs its iterations through the same stage functions as
-``dvc repro`` (:func:`hacrl.pipeline.stages.run_in_process`), in this process (the DVC path costs a
+``dvc repro`` (:func:`hacrl.pipeline.in_process.run_in_process`), in this process (the DVC path costs a
 process per stage). Results: ``reports/<suite>/`` with ``results.json`` (every curve), a table
 per agent (final held-out accuracy mean +- std over seeds; area under the accuracy curve
 against rollouts generated, up to the budget every contender reached, so equal-cost
