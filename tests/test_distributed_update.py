@@ -202,3 +202,21 @@ def test_resuming_with_zero_switched_on_restarts_adam_and_says_so(ready, caplog)
     ac, opt = _load_saved_state(cfg0, ["trainer.zero_stage=1"], caplog)
     assert opt.state.updates == s0[ac.name]["total_updates"] > 0
     assert "with ZeRO 0, this update runs at 1 with ZeRO 1" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2])
+def test_micro_batches_across_two_processes_give_the_whole_mini_batch_update(ready, zero):
+    """Each rank cuts its share of a mini-batch to the memory budget (the ranks may need a
+    different number of micro-batches: the one with fewer runs a phantom one); the update equals
+    the two-process update of whole mini-batches, and the gradients are reduced once per update."""
+    dp = [f"trainer.zero_stage={zero}", "trainer.world_size=2"]
+    cfg_w, s_w = run_update(ready, dp)
+    cfg_m, s_m = run_update(ready, [*dp, "trainer.micro_batch_tokens=150"])
+    for ac in cfg_w.agents:
+        assert s_m[ac.name]["micro_batches"] > s_m[ac.name]["updates"] == s_w[ac.name]["updates"]
+        w_w, w_m = weights(cfg_w, ac.name), weights(cfg_m, ac.name)
+        diff = max(float((w_w[k] - w_m[k]).abs().max()) for k in w_w)
+        assert diff <= 1e-6, (ac.name, zero, diff)
+        assert s_m[ac.name]["loss"] == pytest.approx(s_w[ac.name]["loss"], abs=1e-6)
+        assert s_m[ac.name]["grad_norm"] == pytest.approx(s_w[ac.name]["grad_norm"], rel=1e-6)

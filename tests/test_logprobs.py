@@ -73,3 +73,25 @@ def test_step_logprobs_are_the_bits_of_generates_own_logits(greedy, tiny_problem
         c = comps[j]
         assert c.token_ids == new[r].tolist()[:len(c.token_ids)]
         assert c.logprobs == lp[r, :len(c.token_ids)].tolist()
+
+
+def test_chunked_logprobs_and_entropies_are_the_whole_expression_bit_for_bit():
+    """The vocabulary-wide softmax one chunk of positions at a time gives the bits of
+    ``log_softmax(logits / T).gather(...)`` (values and gradients) and of its entropy."""
+    from hacrl.agents.scoring import entropies, selected_logprobs
+
+    torch.manual_seed(0)
+    for B, T, V, temp, chunk in ((3, 17, 400, 1.0, 20), (5, 9, 3000, 0.7, 1), (2, 33, 257, 1.3, 10**6)):
+        logits = torch.randn(B, T, V) * 3
+        idx = torch.randint(0, V, (B, T))
+        w = torch.randn(B, T)
+        a = logits.clone().requires_grad_(True)
+        ls = torch.log_softmax(a.float() / temp, dim=-1)
+        ref = ls.gather(-1, idx[..., None]).squeeze(-1)
+        ent = -(ls.exp() * ls).sum(-1)
+        (ref * w).sum().backward()
+        b = logits.clone().requires_grad_(True)
+        got = selected_logprobs(b, idx, temp, chunk)
+        (got * w).sum().backward()
+        assert torch.equal(got, ref) and torch.equal(b.grad, a.grad)
+        assert torch.equal(entropies(logits, temp, chunk), ent.detach())

@@ -41,16 +41,79 @@ def response_span(response_mask: torch.Tensor) -> int:
     return int(nz.max()) if nz.numel() else 0
 
 
+LOGPROB_CHUNK = 4096
+"""Positions whose vocabulary-wide softmax is computed at once (``trainer.logprob_chunk``): the
+work space of a chunk is about ``chunk x vocabulary x 4`` bytes, whatever the batch."""
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    """``log_softmax(logits / T)`` at the chosen tokens, a chunk of sequences at a time.
+
+    Autograd's ``log_softmax(...).gather(...)`` keeps the whole (B, T, V) log-softmax in fp32
+    for its backward, and an entropy its exponential too: with a 150k vocabulary that is most of
+    an update's memory. Here forward keeps only the logits (the model's output, alive anyway) and
+    backward recomputes each chunk's log-softmax and calls the same backward kernel autograd
+    calls, so values and gradients are the same bits as the whole-batch expression (tested)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float, rows: int) -> torch.Tensor:
+        out = torch.empty(index.shape, dtype=torch.float32, device=logits.device)
+        for b in range(0, logits.shape[0], rows):
+            ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
+            out[b:b + rows] = ls.gather(-1, index[b:b + rows, :, None]).squeeze(-1)
+        ctx.save_for_backward(logits, index)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, index = ctx.saved_tensors
+        temperature, rows = ctx.temperature, ctx.rows
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b in range(0, logits.shape[0], rows):
+            ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
+            go = torch.zeros_like(ls).scatter_(-1, index[b:b + rows, :, None], grad_out[b:b + rows, :, None])
+            gi = torch._log_softmax_backward_data(go, ls, -1, torch.float32)
+            grad[b:b + rows] = (gi / temperature).to(logits.dtype)
+        return grad, None, None, None
+
+
+def _rows_per_chunk(shape: torch.Size, chunk: int) -> int:
+    return max(1, int(chunk) // max(1, int(shape[1])))
+
+
+def selected_logprobs(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
+                      chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """(B, T) log-probs of ``index`` under ``softmax(logits / temperature)`` for (B, T, V) logits,
+    in fp32, differentiable, never holding more than about ``chunk`` positions' log-softmax."""
+    return _SelectedLogprobs.apply(logits, index, float(temperature), _rows_per_chunk(logits.shape, chunk))
+
+
+@torch.no_grad()
+def entropies(logits: torch.Tensor, temperature: float = 1.0, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """(B, T) entropy of ``softmax(logits / temperature)`` in fp32, a chunk of sequences at a time
+    (no gradient: it is a figure, never a loss term here)."""
+    rows = _rows_per_chunk(logits.shape, chunk)
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for b in range(0, logits.shape[0], rows):
+        ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
+        out[b:b + rows] = -(ls.exp() * ls).sum(-1)
+    return out
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, with_entropy: bool = False, span: int | None = None):
+                   temperature: float = 1.0, with_entropy: bool = False, span: int | None = None,
+                   chunk: int = LOGPROB_CHUNK):
     """Log-prob of each next token under ``model`` at ``temperature``: shape (B, L-1).
 
-    With ``with_entropy`` also returns the per-position entropy of the same distribution.
-    ``span``: score only the last ``span`` positions (the responses of a :func:`pack` batch, see
-    :func:`response_span`); the others come back as 0. The language-model head then projects
-    ``span`` positions instead of L: with a real vocabulary (49k-150k) the full-sequence logits
-    are most of an update's memory. The log-probs are the same bits either way; gradients agree
-    to float rounding (the head's weight gradient sums over fewer rows).
+    With ``with_entropy`` also returns the per-position entropy of the same distribution (no
+    gradient). ``span``: score only the last ``span`` positions (the responses of a :func:`pack`
+    batch, see :func:`response_span`); the others come back as 0. The language-model head then
+    projects ``span`` positions instead of L: with a real vocabulary (49k-150k) the
+    full-sequence logits are most of an update's memory. The log-probs are the same bits either
+    way; gradients agree to float rounding (the head's weight gradient sums over fewer rows).
+    The vocabulary-wide softmax runs ``chunk`` positions at a time (:func:`selected_logprobs`):
+    no full-vocabulary log-prob tensor is kept, and the values are the same bits.
     The forward runs where the model is (a GPU for a DeepSpeed engine there); the results come
     back on the inputs' device, so advantages, masks and losses never care where it ran (the
     copy is differentiable, and only (B, L-1) values cross, never the logits).
@@ -64,10 +127,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     kw = {"logits_to_keep": keep + 1} if span is not None else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
-    logits = out.logits[:, -(keep + 1):-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, L - keep:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    logits = out.logits[:, -(keep + 1):-1]
+    logp = selected_logprobs(logits, input_ids[:, L - keep:], temperature, chunk)
+    entropy = entropies(logits, temperature, chunk) if with_entropy else None
     if keep < L - 1:  # the prompt positions nobody scores
         def pad(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x.new_zeros(x.shape[0], L - 1 - keep), x], dim=1)

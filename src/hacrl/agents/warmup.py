@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 
 
 def greedy_answers(agent: Agent, problems: list[dict], max_new_tokens: int,
-                   batch_size: int = 600) -> list[tuple[str, str]]:
-    """Greedy completions through the rollout engine, as (gold, answer) pairs for the verifier."""
-    engine = HFEngine(agent.model, agent.tokenizer, batch_size=batch_size, desc=f"eval {agent.name}")
+                   batch_size: int = 600, max_batch_tokens: int = 0) -> list[tuple[str, str]]:
+    """Greedy completions through the rollout engine, as (gold, answer) pairs for the verifier
+    (``max_batch_tokens``: the KV-cache budget of one generate call, 0: none)."""
+    engine = HFEngine(agent.model, agent.tokenizer, batch_size=batch_size, desc=f"eval {agent.name}",
+                      max_batch_tokens=max_batch_tokens)
     comps = engine.generate([agent.render(p["problem"]) for p in problems],
                             SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
     return [(p["answer"], c.text) for p, c in zip(problems, comps)]

@@ -396,6 +396,24 @@ class TrainerConfig(Settings):
     initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL
     term (``algorithm.kl_coef`` 0); it costs one forward of the initial model per mini-batch.
     Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender."""
+    micro_batch_tokens: int = setting(0, ge=0)
+    """What one forward (with its backward) holds, in padded tokens (rows x the longest row's prompt +
+    response); 0: no limit. A mini-batch (one optimizer update: what the algorithm and the update
+    layout define) is cut into micro-batches within this budget, rows of similar length together
+    (verl's dynamic batch size); gradients accumulate and the optimizer steps once per mini-batch,
+    with every loss normalised over the whole mini-batch (docs/SCALING.md, "Memory"). The same
+    budget bounds the no-grad passes (pi_old, the reference model). A row longer than the budget
+    is a micro-batch of its own (said once); nothing is truncated."""
+    micro_batch_samples: int = setting(0, ge=0)
+    """At most this many rows per micro-batch as well (0: no limit)."""
+    logprob_chunk: int = setting(4096, ge=1)
+    """Positions whose vocabulary-wide softmax is computed at once when scoring tokens: no
+    full-vocabulary log-prob tensor is kept, only a chunk's (about chunk x vocabulary x 4 bytes)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them
+    (transformers' ``activation_checkpointing_enable``, non-reentrant): the training forward's
+    activation memory drops from every layer's to one layer's plus the layer inputs, for about a
+    third more compute. The no-grad passes never keep activations anyway."""
     world_size: int = setting(1, ge=1)
     """Processes per learner update (DeepSpeed data parallelism, gloo on the CPU, NCCL on GPUs):
     each rank takes whole prompt groups of every mini-batch and the gradients are averaged, so

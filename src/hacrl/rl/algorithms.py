@@ -59,6 +59,9 @@ class Registered:
     layouts: tuple[str, ...] | None = None
     """The update layouts (``algorithm.minibatch_order``) a loss works under; None: any. A loss that
     reads whole prompt groups inside one mini-batch (SGT's gate) needs ``prompt_groups``."""
+    split: str = "rows"
+    """How a mini-batch may be cut into micro-batches (:mod:`hacrl.rl.micro`) for this loss:
+    between any ``rows``, or between whole prompt ``groups`` only (a loss that reads a group)."""
     hooks: StepHooks | None = None
     """What the loss adds to a learner's step besides its loss (see :class:`StepHooks`)."""
 
@@ -90,14 +93,16 @@ LOSS_LEVELS = ("token", "sequence")
 
 def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
               needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None,
-              hooks: StepHooks | None = None):
+              hooks: StepHooks | None = None, split: str = "rows"):
+    if split not in ("rows", "groups"):
+        raise ValueError(f"{name}: split must be rows or groups")
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
         raise TypeError(f"{name}: options must be a dataclass with a 'name' field")
 
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, hooks)
+        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, split, hooks)
         return fn
     return deco
 
@@ -109,12 +114,12 @@ def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
 
 
 def register_loss(name: str, options: type, level: str, rows: Callable | None = None,
-                  layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None):
+                  layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None, split: str = "rows"):
     """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence;
-    ``rows``, ``layouts`` and ``hooks``: see :class:`Registered`."""
+    ``rows``, ``layouts``, ``split`` and ``hooks``: see :class:`Registered`."""
     if level not in LOSS_LEVELS:
         raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
-    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks)
+    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks, split=split)
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
@@ -152,6 +157,12 @@ class Shard:
 
     world_size: int = 1
 
+    @property
+    def split(self) -> bool:
+        """Whether the mini-batch's rows are spread (over ranks, or micro-batches): means then divide
+        by the counts :meth:`all_sum` returns, not by the local ones."""
+        return self.world_size > 1
+
     def all_sum(self, v: float | torch.Tensor) -> float:
         """``v`` summed over the ranks (a collective: every rank must call it, in the same order)."""
         import torch.distributed as dist
@@ -165,10 +176,10 @@ class Shard:
 
 def row_mean(x: torch.Tensor, rows: torch.Tensor | None = None, shard: Shard | None = None) -> torch.Tensor:
     """Mean of ``x`` (B,) over ``rows`` (a bool mask; None: all), 0 with the graph kept when no
-    row is selected. Sharded (world size > 1): the mean over every rank's rows, scaled for
-    DeepSpeed's gradient averaging; it always calls the collective. World size 1: the plain
-    expression, bit for bit."""
-    if shard is None or shard.world_size == 1:
+    row is selected. Split (over ranks or micro-batches, :attr:`Shard.split`): the mean over every
+    part's rows, scaled for DeepSpeed's averaging over ranks; it always asks for the count. Whole:
+    the plain expression, bit for bit."""
+    if shard is None or not shard.split:
         if rows is None:
             return x.mean()
         return x[rows].mean() if bool(rows.any()) else x.sum() * 0
@@ -178,8 +189,8 @@ def row_mean(x: torch.Tensor, rows: torch.Tensor | None = None, shard: Shard | N
 
 
 def sum_over_count(total: torch.Tensor, count: torch.Tensor, shard: Shard | None = None) -> torch.Tensor:
-    """``total / max(1, count)``; sharded: over the count of every rank, scaled as in :func:`row_mean`."""
-    if shard is None or shard.world_size == 1:
+    """``total / max(1, count)``; split: over the count of every part, scaled as in :func:`row_mean`."""
+    if shard is None or not shard.split:
         return total / count.clamp(min=1)
     return total * (shard.world_size / max(1.0, shard.all_sum(count)))
 
@@ -644,7 +655,7 @@ def sgt_rows(inp: AdvantageInputs, opts: SgtOptions) -> torch.Tensor:
     return inp.is_self.bool() | sgt_gate(inp.rewards, inp.group_ids, inp.is_self, inp.verified)
 
 
-@register_loss("sgt", SgtOptions, level="token", rows=sgt_rows, layouts=("prompt_groups",),
+@register_loss("sgt", SgtOptions, level="token", rows=sgt_rows, layouts=("prompt_groups",), split="groups",
                hooks=StepHooks(rescues.figures, rescues.carry, rescues.probes, private=rescues.PRIVATE,
                                history=rescues.HISTORY))
 def sgt_loss(inp: LossInputs, opts: SgtOptions):
@@ -674,8 +685,8 @@ def sgt_loss(inp: LossInputs, opts: SgtOptions):
     else:  # the highest mean log-prob under the learner's policy before the step
         key = -masked_mean(inp.old_logp, inp.mask, dim=1)
     chosen = sgt_choose(cand, inp.group_ids, key, opts.max_rescues)
-    sharded = inp.shard is not None and inp.shard.world_size > 1
-    if sharded:  # every rank takes the same branches: the collectives must pair up
+    sharded = inp.shard is not None and inp.shard.split
+    if sharded:  # every part takes the same branches: the counts must pair up
         tok_nll = -(inp.logp * inp.mask)[chosen]
         nll = (sum_over_count(tok_nll.sum(), inp.mask[chosen].sum(), inp.shard) if opts.length_norm == "token"
                else row_mean(tok_nll.sum(1), shard=inp.shard)) + per_seq.sum() * 0

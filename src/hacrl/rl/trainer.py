@@ -179,6 +179,7 @@ class PolicyOptimizer:
             self.optimizer = optimizer
             self.module = model
         self.state = TrainState()
+        self._accumulating = False
 
     @property
     def model(self):
@@ -201,6 +202,45 @@ class PolicyOptimizer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+            self.optimizer.step()
+        if not np.isfinite(gn):
+            raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
+        self.state.updates += 1
+        return gn
+
+    def micro_step(self, loss: torch.Tensor, last: bool) -> float | None:
+        """Backward of one micro-batch's share of a mini-batch's loss (gradients accumulate); after
+        the ``last`` one, the clipped optimizer step with the ramped learning rate, as :meth:`step`
+        does for a whole mini-batch (returns the gradient norm then, else None). The share is the
+        micro-batch's part of the mini-batch's loss (:mod:`hacrl.rl.micro`): nothing is rescaled."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"non-finite loss {loss.item()} at update {self.state.updates}")
+        if self.engine is not None:
+            # DeepSpeed's boundary set by hand (the number of micro-batches varies per update): the
+            # gradients are reduced across ranks and stepped on at the last one only
+            self.engine.set_gradient_accumulation_boundary(last)
+            self.engine.backward(loss)
+            if not last:
+                return None
+            lr = self.base_lr * min(1.0, (self.state.updates + 1) / max(1, self.cfg.lr_warmup_updates))
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            own = _grad_norm(self.module)
+            self.engine.step()
+            gn = self.engine.get_global_grad_norm()
+            gn = float(gn) if gn is not None else own
+        else:
+            if not self._accumulating:
+                self.optimizer.zero_grad(set_to_none=True)
+                self._accumulating = True
+            loss.backward()
+            if not last:
+                return None
+            self._accumulating = False
+            lr = self.base_lr * min(1.0, (self.state.updates + 1) / max(1, self.cfg.lr_warmup_updates))
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
             gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
             self.optimizer.step()
         if not np.isfinite(gn):

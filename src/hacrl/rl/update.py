@@ -7,9 +7,11 @@ step. The loss functions themselves live in :mod:`hacrl.rl.algorithms`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,9 @@ from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.groups import pooled_reward_stats
 from hacrl.rl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
+from hacrl.rl.micro import Recorder, Replay
+from hacrl.rl.micro import plan as plan_micro
+from hacrl.rl.micro import totals as micro_totals
 from hacrl.rl.trainer import PolicyOptimizer, seed_rng, world
 from hacrl.rollout.table import engine_spec
 
@@ -116,6 +121,68 @@ def advantage_inputs(batch: pd.DataFrame, cfg: Config, learner: str, omega: dict
         inp.pool_mean = torch.tensor(batch["prompt_id"].map(pooled["mean"]).to_numpy(), dtype=torch.float32)
         inp.pool_std = torch.tensor(batch["prompt_id"].map(pooled["std"]).to_numpy(), dtype=torch.float32)
     return inp
+
+
+@dataclass
+class Micro:
+    """One micro-batch: its rows (positions in the learner's batch) packed for a forward."""
+
+    idx: np.ndarray
+    ids: torch.Tensor
+    attn: torch.Tensor
+    resp: torch.Tensor
+    gen_lp: torch.Tensor
+    behavior: torch.Tensor
+    span: int | None
+    phantom: bool = False
+    """A rank's stand-in micro-batch when it has fewer than another rank (its loss weighs 0)."""
+
+
+def _micro(batch: pd.DataFrame, idx: np.ndarray, pad: int, response_only: bool) -> Micro:
+    rows = batch.iloc[idx]
+    ids, attn, resp = pack([list(x) for x in rows["input_prompt_ids"]], [list(x) for x in rows["input_response_ids"]],
+                           pad)
+    return Micro(idx, ids, attn, resp, _aligned([list(x) for x in rows["old_logprobs"]], resp),
+                 _aligned([list(x) for x in rows["behavior_logprobs_aligned"]], resp),
+                 response_span(resp) if response_only else None)
+
+
+def _all_max(values: list[int]) -> list[int]:
+    """Each position's maximum over the ranks (a collective)."""
+    import torch.distributed as dist
+
+    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _mean_metrics(mets: list[dict]) -> dict:
+    """A mini-batch's loss figures from its micro-batches' (the mean of the finite ones; the
+    loss and gradient themselves are exact, these are the loss's own diagnostics)."""
+    out = {}
+    for k in dict.fromkeys(k for x in mets for k in x):
+        vals = [x[k] for x in mets if k in x and isinstance(x[k], (int, float)) and np.isfinite(x[k])]
+        out[k] = float(np.mean(vals)) if vals else float("nan")
+    return out
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of every decoder layer (transformers', non-reentrant)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train_mode(model, checkpointing: bool) -> None:
+    """Evaluation mode (no dropout) for the update's forwards; with activation checkpointing the
+    decoder layers alone are marked training, which is what makes transformers checkpoint them
+    (their attention and dropout modules stay in evaluation mode)."""
+    model.eval()
+    if checkpointing:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for mod in model.modules():
+            if isinstance(mod, GradientCheckpointingLayer):
+                mod.training = True
 
 
 def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor:
@@ -259,21 +326,41 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     # data parallelism: every rank lays out the same mini-batches and keeps its prompt groups
     mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in layout(batch, cfg, agent.name, seed)]
     pad = agent.tokenizer.pad_token_id
-    packed = []
+    # each mini-batch cut into micro-batches within the memory budget (one when there is none)
+    lengths = (batch["input_prompt_ids"].map(len) + batch["input_response_ids"].map(len)).to_numpy()
+    group_codes = adv_inp.group_ids.numpy() if loss_reg.split == "groups" else None
+    packed: list[list[Micro]] = []
+    over = 0
     for idx in mbs:
-        rows = batch.iloc[idx]
-        ids, attn, resp = pack([list(x) for x in rows["input_prompt_ids"]],
-                               [list(x) for x in rows["input_response_ids"]], pad)
-        gen_lp = _aligned([list(x) for x in rows["old_logprobs"]], resp)
-        behavior = _aligned([list(x) for x in rows["behavior_logprobs_aligned"]], resp)
-        packed.append((idx, ids, attn, resp, gen_lp, behavior))
+        parts, o = plan_micro(lengths[idx], group_codes[idx] if group_codes is not None else None,
+                              tc.micro_batch_tokens, tc.micro_batch_samples)
+        over += o
+        packed.append([_micro(batch, idx[part], pad, tc.response_logits_only) for part in parts])
+    if over:
+        log.warning("%s: %d %s longer than trainer.micro_batch_tokens=%d (or more rows than micro_batch_samples=%d): "
+                    "each is a micro-batch of its own (nothing is truncated)", agent.name, over,
+                    "prompt groups" if group_codes is not None else "rows", tc.micro_batch_tokens,
+                    tc.micro_batch_samples)
+    if shard is not None and any(len(mb) > 1 for mb in packed):
+        # every rank takes as many micro-batches per update (ZeRO 2 reduces at each): a rank with
+        # fewer runs a phantom one (its smallest again, weighted 0)
+        need = [int(x) for x in _all_max([len(mb) for mb in packed])]
+        phantoms = sum(n - len(mb) for mb, n in zip(packed, need))
+        for mb, n in zip(packed, need):
+            while len(mb) < n:
+                mb.append(dataclasses.replace(min(mb, key=lambda x: x.ids.numel()), phantom=True))
+        if phantoms:
+            log.info("%s: rank %d runs %d phantom micro-batches (another rank needs more)", agent.name, rank, phantoms)
+    split_mbs = any(len(mb) > 1 for mb in packed)
 
     samples_per_mb = max(len(i) for i in mbs) if mbs else 1
+    if tc.gradient_checkpointing:
+        enable_checkpointing(agent.model)
     opt = PolicyOptimizer(agent.model, tc, samples_per_mb)
     seed_rng(seed)  # a first step's saved RNG state is then reproducible; a resumed one is restored
     opt.load_state(prev_state)
     model = opt.model
-    model.eval()  # no dropout in RL updates; gradients still flow
+    train_mode(model, tc.gradient_checkpointing)  # no dropout in RL updates; gradients still flow
 
     # old log-probs (pi_old): the policy before the step's first update. ``recompute_old_logprobs``
     # (verl's "recompute"): the trainer's own forward for every sample, so the first update's
@@ -282,45 +369,71 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
     # no-grad pass covers the other mini-batches only. Off: own samples of an engine whose
     # generation log-probs are the trainer's (transformers) keep them; rows that are not
     # (cross samples, in another tokenizer's tokens; vLLM's kernels) are still recomputed. Either
-    # way the generation log-probs are compared with the trainer's where both exist.
+    # way the generation log-probs are compared with the trainer's where both exist. Every pass
+    # runs one micro-batch at a time.
     exact_engine = engine_spec(cfg.rollout.engine).exact_logprobs
-    spans = [response_span(resp) if tc.response_logits_only else None for _, _, _, resp, _, _ in packed]
-    old: list[torch.Tensor | None] = [None] * len(packed)
+    old: list[list[torch.Tensor | None]] = [[None] * len(mb) for mb in packed]
     gen_gap = 0.0
+    chunk = tc.logprob_chunk
 
-    def pi_old(lp: torch.Tensor, m: int) -> torch.Tensor:
-        """Mini-batch m's pi_old from the trainer's log-probs ``lp`` at the step's start; also
+    def pi_old(lp: torch.Tensor, mi: Micro) -> torch.Tensor:
+        """A micro-batch's pi_old from the trainer's log-probs ``lp`` at the step's start; also
         records how far the generation log-probs are from them."""
         nonlocal gen_gap
-        idx, _, _, resp, gen_lp, _ = packed[m]
-        self_mask = resp * is_self_all[idx][:, None]
+        self_mask = mi.resp * is_self_all[mi.idx][:, None]
         if bool(self_mask.any()):
-            gen_gap = max(gen_gap, float(((lp - gen_lp).abs() * self_mask).max()))
+            gen_gap = max(gen_gap, float(((lp - mi.gen_lp).abs() * self_mask).max()))
         if tc.recompute_old_logprobs or not exact_engine:
             return lp
-        return torch.where(self_mask.bool(), gen_lp, lp)
+        return torch.where(self_mask.bool(), mi.gen_lp, lp)
 
-    def needs_pass(m: int) -> bool:
-        if ref_model is not None:  # kl_init_before_step reads every mini-batch's pi_old up front
+    def needs_pass(m: int, mi: Micro) -> bool:
+        if ref_model is not None or split_mbs:  # pi_old of every micro-batch is read before its forward
             return True
         if m == 0:  # its first training forward (before any step) is pi_old
             return False
-        idx = packed[m][0]
-        return tc.recompute_old_logprobs or not exact_engine or not bool(is_self_all[idx].all())
+        return tc.recompute_old_logprobs or not exact_engine or not bool(is_self_all[mi.idx].all())
 
     recomputed = 0
     with torch.no_grad():
-        for m, (idx, ids, attn, _, gen_lp, _) in enumerate(packed):
-            if needs_pass(m):
-                old[m] = pi_old(token_logprobs(model, ids, attn, cfg.rollout.temperature, span=spans[m]), m)
-                recomputed += len(idx)
-            elif m > 0:  # own samples of an exact engine
-                old[m] = gen_lp
-        ref = []
+        for m, mb in enumerate(packed):
+            for k, mi in enumerate(mb):
+                if needs_pass(m, mi):
+                    old[m][k] = pi_old(token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature,
+                                                      span=mi.span, chunk=chunk), mi)
+                    recomputed += 0 if mi.phantom else len(mi.idx)
+                elif m > 0:  # own samples of an exact engine
+                    old[m][k] = mi.gen_lp
+        ref: list[list[torch.Tensor]] = []
         if ref_model is not None:
-            ref = [token_logprobs(ref_model, ids, attn, cfg.rollout.temperature, span=spans[m])
-                   for m, (_, ids, attn, *_) in enumerate(packed)]
-        kl_before = kl_old_to_ref(packed, old, ref, is_self_all, shard) if ref else None
+            ref = [[token_logprobs(ref_model, mi.ids, mi.attn, cfg.rollout.temperature, span=mi.span, chunk=chunk)
+                    for mi in mb] for mb in packed]
+        flat = [(mi.idx, mi.ids, mi.attn, mi.resp) for mb in packed for mi in mb if not mi.phantom]
+        kl_before = kl_old_to_ref(flat, [o for mb, ob in zip(packed, old) for mi, o in zip(mb, ob) if not mi.phantom],
+                                  [r for mb, rb in zip(packed, ref) for mi, r in zip(mb, rb) if not mi.phantom],
+                                  is_self_all, shard) if ref else None
+
+    def objective(m: int, k: int, logp: torch.Tensor, part: Shard | None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """Micro-batch k of mini-batch m: the registered loss (+ KL) on log-probs ``logp``."""
+        mi = packed[m][k]
+        idx, sf = mi.idx, is_self_all[mi.idx]
+        loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m][k], mask=mi.resp, advantages=adv[idx],
+                                       is_self=sf, omega_src=omega_src[idx], behavior_logp=mi.behavior,
+                                       behavior_logp_mean=behavior_mean[idx], update_index=update_index,
+                                       rewards=adv_inp.rewards[idx], group_ids=adv_inp.group_ids[idx],
+                                       verified=adv_inp.verified[idx], choice_key=choice_key[idx], shard=part),
+                            a.loss)
+        # KL on self samples only; an update without any (a cross block) has no KL term. A
+        # micro-batch asks for the same counts whatever its rows: its KL term is always there
+        # (0 without own rows), so recording and replay pair up
+        if isinstance(part, (Recorder, Replay)):
+            kl = kl_k3(logp, ref[m][k], mi.resp * sf[:, None], part) if ref and a.kl_coef > 0 else None
+        else:
+            any_self = bool(sf.any()) if part is None else (bool(ref) and a.kl_coef > 0 and part.all_sum(sf.sum()) > 0)
+            kl = kl_k3(logp, ref[m][k], mi.resp * sf[:, None], part) if ref and a.kl_coef > 0 and any_self else None
+        if kl is not None:
+            loss = loss + a.kl_coef * kl
+        return loss, met, kl
 
     logs, loss_metrics, samples = [], {}, []
     rng = random.Random(seed)
@@ -330,34 +443,54 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
         if epoch > 0 and a.minibatch_order == "prompt_groups":
             rng.shuffle(order)
         for m in order:
-            idx, ids, attn, resp, _, behavior = packed[m]
-            logp, ent = token_logprobs(model, ids, attn, cfg.rollout.temperature, with_entropy=True, span=spans[m])
-            if old[m] is None:  # the first mini-batch, before any update: this forward is pi_old
-                old[m] = pi_old(logp.detach(), m)
-            sf = is_self_all[idx]
-            loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m], mask=resp, advantages=adv[idx],
-                                           is_self=sf, omega_src=omega_src[idx], behavior_logp=behavior,
-                                           behavior_logp_mean=behavior_mean[idx], update_index=update_index,
-                                           rewards=adv_inp.rewards[idx], group_ids=adv_inp.group_ids[idx],
-                                           verified=adv_inp.verified[idx], choice_key=choice_key[idx],
-                                           shard=shard),
-                                a.loss)
+            mb = packed[m]
+            if len(mb) == 1 and not mb[0].phantom:  # the whole mini-batch in one forward
+                mi = mb[0]
+                logp, ent = token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=True,
+                                           span=mi.span, chunk=chunk)
+                if old[m][0] is None:  # the first mini-batch, before any update: this forward is pi_old
+                    old[m][0] = pi_old(logp.detach(), mi)
+                loss, met, kl = objective(m, 0, logp, shard)
+                parts = [(mi, met.pop("samples", None))]
+                gn = opt.step(loss)
+                sf = is_self_all[mi.idx]
+                entropy = masked_mean(ent.detach(), mi.resp * sf[:, None]).item() if bool(sf.any()) else float("nan")
+                loss_v, kl_v, mets = loss.item(), (kl.item() if kl is not None else None), [met]
+            else:  # micro-batches: the mini-batch's counts first, then one forward + backward each
+                recorders = []
+                with torch.no_grad():
+                    for k, mi in enumerate(mb):
+                        rec = Recorder(world_size)
+                        objective(m, k, old[m][k], rec)
+                        recorders.append(rec.values)
+                counts = micro_totals([r for r, mi in zip(recorders, mb) if not mi.phantom], shard)
+                loss_v, kl_v, mets, parts, ent_sum, ent_n = 0.0, None, [], [], 0.0, 0.0
+                for k, mi in enumerate(mb):
+                    logp, ent = token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=True,
+                                               span=mi.span, chunk=chunk)
+                    loss, met, kl = objective(m, k, logp, Replay(world_size, totals=counts))
+                    gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=k == len(mb) - 1)
+                    if mi.phantom:
+                        continue
+                    own_tok = mi.resp * is_self_all[mi.idx][:, None]
+                    ent_sum += float((ent.detach() * own_tok).sum())
+                    ent_n += float(own_tok.sum())
+                    loss_v += loss.item()
+                    kl_v = (kl_v or 0.0) + kl.item() if kl is not None else kl_v
+                    parts.append((mi, met.pop("samples", None)))
+                    mets.append(met)
+                entropy = ent_sum / ent_n if ent_n else float("nan")
+                met = _mean_metrics(mets)
             update_index += 1
-            per_sample = met.pop("samples", None)
-            if per_sample is not None:
-                samples.append((idx, {k: v.detach().float() for k, v in per_sample.items()}))
+            per_sample = [(mi.idx, s) for mi, s in parts if s is not None]
+            if per_sample:  # one entry per mini-batch: the weights in sample_figures are per update
+                samples.append((np.concatenate([i for i, _ in per_sample]),
+                                {key: torch.cat([s[key].detach().float() for _, s in per_sample])
+                                 for key in per_sample[0][1]}))
             loss_metrics.update(dict.fromkeys(met))
-            # KL on self samples only; an update without any (a cross block) has no KL term
-            any_self = bool(sf.any()) if shard is None else (bool(ref) and a.kl_coef > 0 and shard.all_sum(sf.sum()) > 0)
-            kl = kl_k3(logp, ref[m], resp * sf[:, None], shard) if ref and a.kl_coef > 0 and any_self else None
-            if kl is not None:
-                loss = loss + a.kl_coef * kl
-            gn = opt.step(loss)
             # the policy's entropy on its own samples (a peer's text says little about the learner's)
-            own_tok = resp * sf[:, None]
-            logs.append({"loss": loss.item(), "grad_norm": gn,
-                         "entropy": masked_mean(ent.detach(), own_tok).item() if bool(sf.any()) else float("nan"),
-                         **({"kl": kl.item()} if kl is not None else {}), **met})
+            logs.append({"loss": loss_v, "grad_norm": gn, "entropy": entropy,
+                         **({"kl": kl_v} if kl_v is not None else {}), **met})
     opt.save_state(out_state)
     if shard is not None:  # rank 0 reports for all: the ranks' figures, gathered
         gap_all = _gather(gen_gap)
@@ -394,6 +527,8 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
             "cross_samples": int((~is_self_all).sum()),
             **({"rows_dropped_by_loss": offered - len(batch)} if loss_reg.rows is not None else {}),
+            # forwards per epoch when the memory budget cut the mini-batches (else one per update)
+            **({"micro_batches": sum(1 for mb in packed for mi in mb if not mi.phantom)} if split_mbs else {}),
             "gen_vs_train_logprob_maxdiff": gen_gap, "old_logprobs_recomputed": recomputed,
             "seconds": round(secs, 2),
             "tokens_per_s": round(n_tok * tc.epochs / max(secs, 1e-9), 1)}

@@ -60,16 +60,34 @@ class HFEngine:
 
     startup_s = None  # no process of its own
 
-    def __init__(self, model, tokenizer, batch_size: int = 512, desc: str = "generate"):
+    def __init__(self, model, tokenizer, batch_size: int = 512, desc: str = "generate", max_batch_tokens: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.desc = desc
+        self.max_batch_tokens = int(max_batch_tokens)
+        """KV-cache budget of one ``generate`` call: rows x (longest prompt + new tokens); 0: none."""
 
     @classmethod
     def open(cls, request: EngineRequest) -> HFEngine:
         """Over ``request.model`` (loaded by the stage, on the job's device)."""
-        return cls(request.model, request.tokenizer, request.batch_size, desc=request.desc)
+        return cls(request.model, request.tokenizer, request.batch_size, desc=request.desc,
+                   max_batch_tokens=request.max_batch_tokens)
+
+    def batches(self, lengths: list[int], max_new_tokens: int) -> list[list[int]]:
+        """Positions of ``lengths`` (prompt lengths, ascending) per ``generate`` call: at most
+        ``batch_size`` rows, and within ``max_batch_tokens`` KV-cache tokens (a row over it alone)."""
+        if self.max_batch_tokens <= 0:
+            return [list(range(b0, min(b0 + self.batch_size, len(lengths))))
+                    for b0 in range(0, len(lengths), self.batch_size)]
+        out: list[list[int]] = []
+        cur: list[int] = []
+        for i, n in enumerate(lengths):
+            if cur and (len(cur) + 1 > self.batch_size or (len(cur) + 1) * (n + max_new_tokens) > self.max_batch_tokens):
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        return out + ([cur] if cur else [])
 
     def close(self) -> None:
         """Nothing to stop: the model belongs to the stage."""
@@ -86,9 +104,9 @@ class HFEngine:
         eos = tok.eos_token_id
         pad = tok.pad_token_id
         self.model.eval()
-        for b0 in tqdm(range(0, len(order), self.batch_size), desc=self.desc, leave=False,
-                       disable=len(order) <= self.batch_size):
-            idx = order[b0:b0 + self.batch_size]
+        calls = self.batches([len(enc[jobs[j][0]]) for j in order], params.max_new_tokens)
+        for call in tqdm(calls, desc=self.desc, leave=False, disable=len(calls) <= 1):
+            idx = [order[k] for k in call]
             batch_prompts = [enc[jobs[j][0]] for j in idx]
             L = max(len(p) for p in batch_prompts)
             # left padding, built as lists and converted once (a tensor per row cost 10 us each)

@@ -65,8 +65,9 @@ def evaluate(cfg: Config, t: int) -> StageResult:
         serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
         pending, extra = {}, {}
         for ac in cfg.agents:
-            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), eplan.job(ac.name, "rollout"))
-            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+            job = eplan.job(ac.name, "rollout")
+            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), job)
+            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size, job.max_batch_tokens)
             pending[ac.name] = checks.submit(ver.verify, answers, f"verify {ac.name}")
             if hooks is not None and hooks.probes is not None:  # e.g. SGT: did the rescues stick?
                 extra[ac.name] = probe_accuracy(cfg, agent, serial, hooks.probes(update_stats.get(ac.name, {}), t))

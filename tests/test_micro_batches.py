@@ -1,0 +1,220 @@
+"""Micro-batches: a mini-batch cut to fit a memory budget is the same update as the whole one.
+
+For every registered loss (each through a preset that uses it), both trainer backends and budgets
+that do and do not divide the mini-batch: the loss, the gradient norm of every update and the
+weights after the step agree with the whole-mini-batch update to 1e-6. A loss registered later
+without a preset that uses it fails here until it has one (so no loss escapes the check).
+"""
+
+import dataclasses
+import os
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, SMOKE
+
+from hacrl.exchange.experience import read_records, write_records
+from hacrl.pipeline import params, table
+from hacrl.rl.algorithms import LOSSES
+from hacrl.rl.micro import plan
+from hacrl.storage import RunLayout, read_json
+
+
+def _preset_of(loss: str) -> str:
+    """A preset of conf/algorithm/ whose loss is ``loss`` (the first by name)."""
+    for f in sorted((ROOT / "conf" / "algorithm").glob("*.yaml")):
+        if yaml.safe_load(f.read_text())["loss"]["name"] == loss:
+            return f.stem
+    raise AssertionError(f"no preset in conf/algorithm/ uses the loss {loss!r}: add one, so that its "
+                         f"micro-batched update is checked here")
+
+
+# ----------------------------------------------------------------------------- the cut
+
+def test_a_budget_packs_rows_of_similar_length_and_never_truncates():
+    lengths = np.array([10, 50, 12, 48, 11, 300, 49])
+    parts, over = plan(lengths, None, max_tokens=100, max_rows=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(7))
+    assert all(len(p) * lengths[p].max() <= 100 for p in parts if lengths[p].max() <= 100)
+    assert over == 1 and [5] in [p.tolist() for p in parts]  # the 300-token row alone, whole
+    assert [1, 6] in [p.tolist() for p in parts]             # the two longest ~50-token rows together
+    parts, _ = plan(lengths, None, max_tokens=0, max_rows=3)
+    assert max(len(p) for p in parts) == 3
+    whole, over = plan(lengths, None, 0, 0)
+    assert [p.tolist() for p in whole] == [list(range(7))] and over == 0
+
+
+def test_a_loss_that_reads_groups_is_cut_between_groups_only():
+    lengths = np.array([5, 5, 30, 30, 6, 6])
+    groups = np.array([0, 0, 1, 1, 2, 2])
+    parts, _ = plan(lengths, groups, max_tokens=24, max_rows=0)
+    for p in parts:
+        for g in set(groups[p]):
+            assert set(np.flatnonzero(groups == g)) <= set(p.tolist())
+
+
+def test_a_budget_that_is_not_a_positive_integer_is_one_line():
+    from hacrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_tokens: invalid value -1 \(must be >= 0\)"):
+        params.from_dict(params.compose([*SMOKE, "trainer.micro_batch_tokens=-1"]))
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_samples: invalid value 2.5 \(expected an integer\)"):
+        params.from_dict(params.compose([*SMOKE, "trainer.micro_batch_samples=2.5"]))
+
+
+# ----------------------------------------------------------------------------- the same update
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """A tiny pool at iteration 0, shared by every loss (each then rolls out on its own copy)."""
+    tmp = tmp_path_factory.mktemp("micro")
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        base = _cfg(tmp / "base", "grpo")
+        table.run("prepare-data", base)
+        table.run("prepare-pool", base)
+        yield tmp
+    finally:
+        os.chdir(cwd)
+
+
+def _cfg(root, algo, *extra):
+    d = params.compose(SMOKE + [f"algorithm={algo}", *extra])
+    d["experiment"]["runs_dir"] = str(root / "runs")
+    d["experiment"]["reports_dir"] = str(root / "reports")
+    return params.from_dict(d)
+
+
+_ITERATIONS: dict = {}
+
+
+def _iteration(pool, algo):
+    """Iteration 1 of ``algo`` up to its update, rewards set to a fixed pattern (the barely
+    warmed-up tiny pool scores 0, which trains nothing)."""
+    if algo in _ITERATIONS:
+        return _ITERATIONS[algo]
+    root = pool / algo
+    cfg = _cfg(root, algo, "algorithm.kl_coef=0.05") if algo == "grpo" else _cfg(root, algo)
+    lay = RunLayout(cfg.experiment.runs_dir)
+    shutil.copytree(pool / "base" / "runs" / "it0", lay.it(0))
+    cwd = os.getcwd()
+    os.chdir(pool)
+    try:
+        table.run("generate-rollouts", cfg, 1)
+        table.run("verify-rewards", cfg, 1)
+        for a in cfg.agents:
+            f = lay.rewards(1) / f"{a.name}.parquet"
+            df = read_records(f, "verdict")
+            n = df["record_id"].map(lambda r: sum(map(ord, r)))
+            df["reward"] = ((n % 3) == 0).astype(float)
+            df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
+            write_records(f, df, "verdict")
+        table.run("exchange-and-align", cfg, 1)
+        table.run("compute-capability-stats", cfg, 1)
+    finally:
+        os.chdir(cwd)
+    _ITERATIONS[algo] = (root, cfg)
+    return root, cfg
+
+
+def _update(root, cfg, name, tag, **trainer):
+    import torch
+
+    from hacrl.agents.pool import load_agent
+    from hacrl.rl.update import train_learner
+
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+    lay = RunLayout(cfg.experiment.runs_dir)
+    agent = load_agent(cfg.agent(name), lay.checkpoint(0, name))
+    ref = load_agent(cfg.agent(name), lay.checkpoint(0, name)).model if cfg.algorithm.kl_coef > 0 else None
+    batch = read_records(lay.learner_input(1, name), "learner_input")
+    side = lay.learner_input(1, name, "reward_stats")
+    stats = train_learner(agent, batch, cfg, seed=3, prev_state=lay.train_state(0) / name,
+                          out_state=root / "state" / tag / name, ref_model=ref,
+                          omega=read_json(lay.capability(1))["omega"],
+                          reward_stats=read_records(side, "reward_stats") if side.exists() else None)
+    weights = {k: v.detach().clone() for k, v in agent.model.state_dict().items()}
+    torch.set_num_threads(2)
+    return stats, weights
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "torch"])
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_micro_batched_update_is_the_whole_update(pool, loss, backend):
+    algo = _preset_of(loss)
+    root, cfg = _iteration(pool, algo)
+    name = cfg.agents[0].name
+    whole, w0 = _update(root, cfg, name, f"whole-{backend}", backend=backend)
+    assert whole["updates"] >= 2
+    # budgets: rows of about 15-30 tokens, mini-batches of 32-96 rows
+    for tag, budget in (("tokens", {"micro_batch_tokens": 200}), ("rows", {"micro_batch_samples": 8}),
+                        ("both", {"micro_batch_tokens": 450, "micro_batch_samples": 13})):
+        cut, w1 = _update(root, cfg, name, f"{tag}-{backend}", backend=backend, **budget)
+        where = f"{loss} ({algo}), {backend}, {budget}"
+        assert cut["updates"] == whole["updates"] and cut["micro_batches"] > whole["updates"], where
+        assert "micro_batches" not in whole
+        assert cut["loss"] == pytest.approx(whole["loss"], abs=1e-6), where
+        assert np.allclose(cut["per_update"]["grad_norm"], whole["per_update"]["grad_norm"], rtol=1e-6, atol=1e-7), where
+        diff = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
+        assert diff <= 1e-6, f"{where}: weights differ by {diff:.2e}"
+        if "kl_to_init" in whole:
+            assert cut["kl_to_init"] == pytest.approx(whole["kl_to_init"], abs=1e-6), where
+
+
+def test_activation_checkpointing_is_the_same_update(pool):
+    root, cfg = _iteration(pool, "grpo")
+    name = cfg.agents[1].name
+    plain, w0 = _update(root, cfg, name, "ckpt-off")
+    ckpt, w1 = _update(root, cfg, name, "ckpt-on", gradient_checkpointing=True, micro_batch_tokens=300)
+    assert ckpt["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) <= 1e-6
+
+
+def test_old_logprobs_of_a_cut_mini_batch_are_the_whole_ones(pool):
+    """pi_old scored per micro-batch (another padding) is pi_old scored whole, to 1e-6."""
+    import torch
+
+    from hacrl.agents.pool import load_agent
+    from hacrl.agents.scoring import pack, response_span, token_logprobs
+
+    root, cfg = _iteration(pool, "grpo")
+    ac = cfg.agents[0]
+    lay = RunLayout(cfg.experiment.runs_dir)
+    agent = load_agent(ac, lay.checkpoint(0, ac.name))
+    rows = read_records(lay.learner_input(1, ac.name), "learner_input")
+    prompts, resps = [list(x) for x in rows["input_prompt_ids"]], [list(x) for x in rows["input_response_ids"]]
+    pad = agent.tokenizer.pad_token_id
+
+    def scored(sel):
+        ids, attn, resp = pack([prompts[i] for i in sel], [resps[i] for i in sel], pad)
+        with torch.no_grad():
+            lp = token_logprobs(agent.model, ids, attn, 1.0, span=response_span(resp))
+        return [lp[k][resp[k].bool()] for k in range(len(sel))]
+
+    whole = scored(range(len(rows)))
+    lengths = np.array([len(p) + len(r) for p, r in zip(prompts, resps)])
+    parts, _ = plan(lengths, None, max_tokens=160, max_rows=0)
+    assert len(parts) > 3
+    for part in parts:
+        for i, lp in zip(part, scored(part)):
+            assert torch.allclose(lp, whole[i], atol=1e-6, rtol=0), i
+
+
+def test_generation_within_a_kv_budget_gives_the_same_greedy_answers(pool):
+    from hacrl.agents.pool import load_agent
+    from hacrl.agents.warmup import greedy_answers
+    from hacrl.rollout.hf import HFEngine
+    from hacrl.task.data import read_jsonl
+
+    root, cfg = _iteration(pool, "grpo")
+    ac = cfg.agents[0]
+    agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(0, ac.name))
+    held = read_jsonl(pool / "data" / "tasks" / "heldout.jsonl")[:60]
+    eng = HFEngine(agent.model, agent.tokenizer, batch_size=64, max_batch_tokens=200)
+    calls = eng.batches(sorted(len(agent.tokenizer(agent.render(p["problem"]))["input_ids"]) for p in held), 12)
+    assert len(calls) > 1 and all(len(c) * 12 < 200 for c in calls)
+    assert greedy_answers(agent, held, 12, 64, max_batch_tokens=200) == greedy_answers(agent, held, 12, 64)
