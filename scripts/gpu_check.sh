@@ -7,6 +7,12 @@
 # writes reports/gpu_check.json.
 #
 #   scripts/gpu_check.sh [--prompts 64] [--group 8] [--tokens 64] [--engine auto|hf|vllm] [--dtype fp32|bf16]
+#                        [--update-samples 64] [--update-tokens 1024] [--micro-batch-tokens 16384]
+#
+# Then one learner's update at realistic lengths (the pool's largest model, --update-samples rows
+# of a 64-token prompt and an --update-tokens response, micro-batched within
+# --micro-batch-tokens, activations recomputed): its peak GPU memory against what the memory
+# model (src/hacrl/rl/memory.py, docs/SCALING.md "Memory") predicts.
 #
 # Needs the project environment (`make setup`; on a GPU host its torch must be a CUDA build)
 # and, for vLLM, `make setup-vllm` with a CUDA vLLM. Nothing is downloaded: the models are built
@@ -34,6 +40,9 @@ ap.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
 ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
 ap.add_argument("--agents", default="gpu_check", help="the pool (conf/agents/)")
 ap.add_argument("--out", default="reports/gpu_check.json")
+ap.add_argument("--update-samples", type=int, default=64)
+ap.add_argument("--update-tokens", type=int, default=1024)
+ap.add_argument("--micro-batch-tokens", type=int, default=16384)
 args = ap.parse_args()
 on_cpu = os.environ.get("HACRL_GPU_CHECK_ON_CPU") == "1"
 if not on_cpu and not torch.cuda.is_available():
@@ -122,11 +131,39 @@ for a, s in roll.items():
 for a, s in upd.items():
     print(f"  update {a}: {s['samples']} samples in {s['seconds']} s, world size {s.get('world_size', 1)}, "
           f"loss {s['loss']:.4g}")
+# one learner's update at realistic lengths, micro-batched: its peak memory against the model's
+import shutil  # noqa: E402
+
+from hacrl.study.bench.memory import cell  # noqa: E402
+
+pool = json.loads((work / "runs" / "it0" / "pool.json").read_text())
+big = max(pool, key=lambda a: pool[a]["params"])
+model_dir = work / "update-check" / big
+shutil.copytree(work / "runs" / "it1" / "checkpoints" / big, model_dir)
+conf = json.loads((model_dir / "config.json").read_text())
+for key in ("max_position_embeddings", "n_positions"):  # room for the long rows (rotary or learned)
+    if key in conf:
+        conf[key] = max(conf[key], 64 + args.update_tokens + 8)
+(model_dir / "config.json").write_text(json.dumps(conf))
+if "n_positions" in conf:  # learned positions: the table is made anew at the longer size (a memory check: values do not matter)
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, ignore_mismatched_sizes=True)
+    m.save_pretrained(model_dir)
+upd_check = cell({"overrides": overrides, "agent": big, "model_dir": str(model_dir), "samples": args.update_samples,
+                  "response": args.update_tokens, "prompt": 64, "micro_batch_tokens": args.micro_batch_tokens,
+                  "checkpointing": True, "dtype": args.dtype, "work": str(work / "update-check" / "run"),
+                  "threads": os.cpu_count()})
+print(f"update at realistic lengths: {big}, {args.update_samples} x (64 + {args.update_tokens}) tokens, "
+      f"micro_batch_tokens {args.micro_batch_tokens}, checkpointing, {args.dtype}: {upd_check['seconds']} s, "
+      f"{upd_check['micro_batches']} micro-batches; peak GPU {upd_check.get('cuda_peak_mib')} MiB allocated "
+      f"({upd_check.get('cuda_reserved_mib')} MiB reserved); the memory model predicts "
+      f"{upd_check['predicted_mib']} MiB", flush=True)
 out = project / args.out
 out.parent.mkdir(parents=True, exist_ok=True)
 tmp = out.with_suffix(".tmp")
 tmp.write_text(json.dumps({"gpus": n, "gpu": gpu_name, "gpu_gib": gib, "engine": engine,
                            "dtype": args.dtype, "stages": rows, "wall_s": round(wall, 1),
+                           "update_check": upd_check,
                            "rollouts": roll, "updates": {a: {k: v for k, v in s.items() if not isinstance(v, (dict, list))}
                                                          for a, s in upd.items()}}, indent=1))
 tmp.replace(out)

@@ -89,3 +89,22 @@ def test_pipeline_suite_runs_direct_dvc_and_prefect(tmp_path):
 def test_unknown_suite_is_one_line():
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "bench", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and "unknown suite 'nope'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_memory_suite_measures_each_cell_in_its_own_process(tmp_path):
+    res = _bench("memory", tmp_path)
+    m = res["contenders"]
+    assert set(m) == {"whole-8x16", "budget-8x16", "budget-32x16", "budget-8x40", "budget-32x40"}
+    assert all(c["peak_rss_mib"] > 0 and "above_model_and_optimizer_mib" in c["extra"] for c in m.values())
+    # the budget cut the mini-batches (16-40 token responses, 128 padded tokens per forward)
+    assert m["budget-32x40"]["extra"]["micro_batches"] > m["budget-8x40"]["extra"]["micro_batches"] > 1
+    assert m["whole-8x16"]["extra"]["micro_batches"] == 1
+    assert {g["kind"] for g in res["goals"]} == {"max_mib", "growth", "ratio"}
+
+
+def test_memory_generate_suite_bounds_the_kv_cache_per_call(tmp_path):
+    res = _bench("memory_generate", tmp_path)
+    m = res["contenders"]
+    assert set(m) == {"greedy-whole", "greedy-budget", "sampled-whole", "sampled-budget"}
+    assert m["greedy-whole"]["extra"]["calls"] == 1 and m["greedy-budget"]["extra"]["calls"] > 1
+    assert m["greedy-budget"]["units"] == m["greedy-whole"]["units"]  # the same greedy tokens, fewer at a time

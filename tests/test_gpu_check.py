@@ -36,7 +36,8 @@ def test_gpu_check_refuses_a_host_without_gpus(tmp_path):
 def test_gpu_check_runs_one_iteration_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = _run(["--agents", "tiny", "--engine", "hf", "--dtype", "fp32", "--prompts", "8", "--group", "2",
-              "--tokens", "8", "--out", str(out)], {"HACRL_GPU_CHECK_ON_CPU": "1"}, tmp_path)
+              "--tokens", "8", "--update-samples", "16", "--update-tokens", "96", "--micro-batch-tokens", "640",
+              "--out", str(out)], {"HACRL_GPU_CHECK_ON_CPU": "1"}, tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rep = json.loads(Path(out).read_text())
     assert [r["stage"] for r in rep["stages"]] == [
@@ -45,3 +46,6 @@ def test_gpu_check_runs_one_iteration_on_the_cpu(tmp_path):
     assert all(r["seconds"] >= 0 for r in rep["stages"]) and rep["gpus"] == 0
     assert set(rep["rollouts"]) == {"gpt2-a", "llama-b"}
     assert "generate-rollouts" in p.stdout and "total" in p.stdout
+    # the update at realistic lengths (here: 16 x (64 + 96) tokens, micro-batched) and its prediction
+    check = rep["update_check"]
+    assert check["micro_batches"] > 1 and check["predicted_mib"] > 0 and "update at realistic lengths" in p.stdout

@@ -81,7 +81,7 @@ def test_chunked_logprobs_and_entropies_are_the_whole_expression_bit_for_bit():
     from hacrl.agents.scoring import entropies, selected_logprobs
 
     torch.manual_seed(0)
-    for B, T, V, temp, chunk in ((3, 17, 400, 1.0, 20), (5, 9, 3000, 0.7, 1), (2, 33, 257, 1.3, 10**6)):
+    for B, T, V, temp, chunk in ((3, 17, 400, 1.0, 20), (5, 9, 3000, 0.7, 1), (2, 33, 257, 1.3, 10**6), (2, 40, 300, 0.9, 7)):
         logits = torch.randn(B, T, V) * 3
         idx = torch.randint(0, V, (B, T))
         w = torch.randn(B, T)

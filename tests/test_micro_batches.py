@@ -129,8 +129,8 @@ def _update(root, cfg, name, tag, **trainer):
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
     lay = RunLayout(cfg.experiment.runs_dir)
-    agent = load_agent(cfg.agent(name), lay.checkpoint(0, name))
-    ref = load_agent(cfg.agent(name), lay.checkpoint(0, name)).model if cfg.algorithm.kl_coef > 0 else None
+    agent = load_agent(cfg.agent(name), lay.checkpoint(0, name), cfg.trainer.dtype)
+    ref = load_agent(cfg.agent(name), lay.checkpoint(0, name), cfg.trainer.dtype).model if cfg.algorithm.kl_coef > 0 else None
     batch = read_records(lay.learner_input(1, name), "learner_input")
     side = lay.learner_input(1, name, "reward_stats")
     stats = train_learner(agent, batch, cfg, seed=3, prev_state=lay.train_state(0) / name,
@@ -218,3 +218,26 @@ def test_generation_within_a_kv_budget_gives_the_same_greedy_answers(pool):
     calls = eng.batches(sorted(len(agent.tokenizer(agent.render(p["problem"]))["input_ids"]) for p in held), 12)
     assert len(calls) > 1 and all(len(c) * 12 < 200 for c in calls)
     assert greedy_answers(agent, held, 12, 64, max_batch_tokens=200) == greedy_answers(agent, held, 12, 64)
+
+
+def test_bf16_accumulates_micro_batches_in_fp32_and_needs_deepspeed(pool):
+    """bf16: the model computes in bf16, DeepSpeed keeps fp32 master weights, log-probs and losses
+    are fp32; with ZeRO 1 the micro-batches' gradients add up in fp32, so cutting the mini-batch
+    changes the gradient norm by bf16 rounding only (with ZeRO 0 they add up in bf16)."""
+    from hacrl.errors import ConfigError
+
+    root, cfg = _iteration(pool, "gspo")
+    name = cfg.agents[1].name
+    fp32, _ = _update(root, cfg, name, "bf-fp32")
+    whole, _ = _update(root, cfg, name, "bf-whole", dtype="bf16", zero_stage=1)
+    cut, w = _update(root, cfg, name, "bf-cut", dtype="bf16", zero_stage=1, micro_batch_tokens=200)
+    assert cut["micro_batches"] > cut["updates"]
+    # bf16 matmuls round by shape (a micro-batch pads otherwise): the first update agrees to 1e-4,
+    # the next ones, from weights that differ by that, to 1e-3
+    g_cut, g_whole = cut["per_update"]["grad_norm"], whole["per_update"]["grad_norm"]
+    assert g_cut[0] == pytest.approx(g_whole[0], rel=1e-4) and np.allclose(g_cut, g_whole, rtol=1e-3)
+    # from the same weights, bf16 compute moves the first gradient norm by bf16 rounding
+    assert whole["per_update"]["grad_norm"][0] == pytest.approx(fp32["per_update"]["grad_norm"][0], rel=1e-3)
+    assert all(str(v.dtype) == "torch.bfloat16" for v in w.values() if v.is_floating_point())
+    with pytest.raises(ConfigError, match=r"^trainer.backend: invalid value 'torch' \(bf16 needs the deepspeed backend"):
+        params.from_dict(params.compose([*SMOKE, "trainer.dtype=bf16", "trainer.backend=torch"]))

@@ -41,63 +41,81 @@ def response_span(response_mask: torch.Tensor) -> int:
     return int(nz.max()) if nz.numel() else 0
 
 
-LOGPROB_CHUNK = 4096
+LOGPROB_CHUNK = 1024
 """Positions whose vocabulary-wide softmax is computed at once (``trainer.logprob_chunk``): the
-work space of a chunk is about ``chunk x vocabulary x 4`` bytes, whatever the batch."""
+work space of a chunk is a few tensors of ``chunk x vocabulary x 4`` bytes, whatever the batch
+(200 MB each at 1,024 positions and a 49k vocabulary)."""
+
+
+def _blocks(shape: torch.Size, chunk: int):
+    """(row slice, position slice) blocks of a (B, T, V) tensor covering about ``chunk`` positions
+    each: whole rows together when a row is shorter than ``chunk``, else pieces of one row."""
+    B, T = int(shape[0]), int(shape[1])
+    if T <= chunk:
+        rows = max(1, chunk // max(1, T))
+        for b in range(0, B, rows):
+            yield slice(b, b + rows), slice(0, T)
+    else:
+        for b in range(B):
+            for s in range(0, T, chunk):
+                yield slice(b, b + 1), slice(s, s + chunk)
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = x.float()
+    return x / temperature if temperature != 1.0 else x  # x / 1.0 is x, bit for bit: no copy
 
 
 class _SelectedLogprobs(torch.autograd.Function):
-    """``log_softmax(logits / T)`` at the chosen tokens, a chunk of sequences at a time.
+    """``log_softmax(logits / T)`` at the chosen tokens, a block of about ``chunk`` positions at a
+    time.
 
     Autograd's ``log_softmax(...).gather(...)`` keeps the whole (B, T, V) log-softmax in fp32
     for its backward, and an entropy its exponential too: with a 150k vocabulary that is most of
     an update's memory. Here forward keeps only the logits (the model's output, alive anyway) and
-    backward recomputes each chunk's log-softmax and calls the same backward kernel autograd
+    backward recomputes each block's log-softmax and calls the same backward kernel autograd
     calls, so values and gradients are the same bits as the whole-batch expression (tested)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float, rows: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
         out = torch.empty(index.shape, dtype=torch.float32, device=logits.device)
-        for b in range(0, logits.shape[0], rows):
-            ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
-            out[b:b + rows] = ls.gather(-1, index[b:b + rows, :, None]).squeeze(-1)
+        for rs, ps in _blocks(logits.shape, chunk):
+            ls = torch.log_softmax(_scaled(logits[rs, ps], temperature), dim=-1)
+            out[rs, ps] = ls.gather(-1, index[rs, ps, None]).squeeze(-1)
+            del ls
         ctx.save_for_backward(logits, index)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, index = ctx.saved_tensors
-        temperature, rows = ctx.temperature, ctx.rows
+        temperature, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for b in range(0, logits.shape[0], rows):
-            ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
-            go = torch.zeros_like(ls).scatter_(-1, index[b:b + rows, :, None], grad_out[b:b + rows, :, None])
+        for rs, ps in _blocks(logits.shape, chunk):
+            ls = torch.log_softmax(_scaled(logits[rs, ps], temperature), dim=-1)
+            go = torch.zeros_like(ls).scatter_(-1, index[rs, ps, None], grad_out[rs, ps, None])
             gi = torch._log_softmax_backward_data(go, ls, -1, torch.float32)
-            grad[b:b + rows] = (gi / temperature).to(logits.dtype)
+            del go, ls
+            grad[rs, ps] = (gi / temperature if temperature != 1.0 else gi).to(logits.dtype)
         return grad, None, None, None
-
-
-def _rows_per_chunk(shape: torch.Size, chunk: int) -> int:
-    return max(1, int(chunk) // max(1, int(shape[1])))
 
 
 def selected_logprobs(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
                       chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
     """(B, T) log-probs of ``index`` under ``softmax(logits / temperature)`` for (B, T, V) logits,
     in fp32, differentiable, never holding more than about ``chunk`` positions' log-softmax."""
-    return _SelectedLogprobs.apply(logits, index, float(temperature), _rows_per_chunk(logits.shape, chunk))
+    return _SelectedLogprobs.apply(logits, index, float(temperature), int(chunk))
 
 
 @torch.no_grad()
 def entropies(logits: torch.Tensor, temperature: float = 1.0, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
-    """(B, T) entropy of ``softmax(logits / temperature)`` in fp32, a chunk of sequences at a time
-    (no gradient: it is a figure, never a loss term here)."""
-    rows = _rows_per_chunk(logits.shape, chunk)
+    """(B, T) entropy of ``softmax(logits / temperature)`` in fp32, a block of positions at a
+    time (no gradient: it is a figure, never a loss term here)."""
     out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
-    for b in range(0, logits.shape[0], rows):
-        ls = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
-        out[b:b + rows] = -(ls.exp() * ls).sum(-1)
+    for rs, ps in _blocks(logits.shape, chunk):
+        ls = torch.log_softmax(_scaled(logits[rs, ps], temperature), dim=-1)
+        out[rs, ps] = -(ls.exp() * ls).sum(-1)
     return out
 
 

@@ -382,7 +382,10 @@ class TrainerConfig(Settings):
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """Adam's (beta1, beta2): two numbers in [0, 1)."""
     dtype: str = setting("fp32", choices=("fp32", "bf16"))
-    """Weights' and activations' dtype in the trainer (and vLLM's)."""
+    """Weights' and activations' dtype in the trainer (and vLLM's). ``bf16``: the model computes in
+    bf16, DeepSpeed keeps fp32 master weights for the optimizer, and log-probs, ratios and losses
+    are computed in fp32; with ZeRO >= 1 micro-batch gradients also accumulate in fp32
+    (docs/SCALING.md, "bf16")."""
     recompute_old_logprobs: bool = True
     """pi_old from the trainer's own forward before the step's first update (as verl does);
     False uses the generation log-probs recorded with the rollouts."""
@@ -406,7 +409,7 @@ class TrainerConfig(Settings):
     is a micro-batch of its own (said once); nothing is truncated."""
     micro_batch_samples: int = setting(0, ge=0)
     """At most this many rows per micro-batch as well (0: no limit)."""
-    logprob_chunk: int = setting(4096, ge=1)
+    logprob_chunk: int = setting(1024, ge=1)
     """Positions whose vocabulary-wide softmax is computed at once when scoring tokens: no
     full-vocabulary log-prob tensor is kept, only a chunk's (about chunk x vocabulary x 4 bytes)."""
     gradient_checkpointing: bool = False
@@ -422,6 +425,8 @@ class TrainerConfig(Settings):
     def check(self) -> None:
         check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "adam_betas", self.adam_betas,
               "two numbers in [0, 1)")
+        check(self.dtype != "bf16" or self.backend == "deepspeed", "backend", self.backend,
+              "bf16 needs the deepspeed backend (it keeps the fp32 master weights; torch's AdamW would step bf16 weights)")
         if self.world_size > 1:
             check(self.backend == "deepspeed", "backend", self.backend, "world_size > 1 needs the deepspeed backend")
             check(self.zero_stage <= 2, "zero_stage", self.zero_stage,

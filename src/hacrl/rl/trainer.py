@@ -168,6 +168,9 @@ class PolicyOptimizer:
                 "gradient_clipping": cfg.grad_clip,
                 "zero_optimization": {"stage": cfg.zero_stage},
                 "bf16": {"enabled": cfg.dtype == "bf16"},
+                # bf16 with ZeRO >= 1: micro-batch gradients accumulate in fp32 (DeepSpeed's BF16
+                # optimizer); ZeRO 0 accumulates them in the model's bf16
+                **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.dtype == "bf16" and cfg.zero_stage >= 1 else {}),
                 "steps_per_print": 10**9,
                 "wall_clock_breakdown": False,
             }

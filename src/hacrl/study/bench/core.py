@@ -108,7 +108,9 @@ class Measured:
 class Goal:
     """``kind`` ``ratio``: ``contender``'s throughput over ``baseline``'s must be >= ``target``;
     ``added_s``: its median time may exceed ``baseline``'s by at most ``target`` seconds;
-    ``max_s``: its median time must be <= ``target`` seconds (``baseline`` unused)."""
+    ``max_s``: its median time must be <= ``target`` seconds (``baseline`` unused);
+    ``max_mib``: its figure ``above_model_and_optimizer_mib`` must be <= ``target`` MiB;
+    ``growth``: its peak RSS over ``baseline``'s must be <= ``target``."""
 
     contender: str
     baseline: str
@@ -121,6 +123,10 @@ class Goal:
             return res.ratio(self.contender, self.baseline)
         if self.kind == "added_s":
             return c.median_s - res.measured[self.baseline].median_s
+        if self.kind == "max_mib":
+            return float(c.extra["above_model_and_optimizer_mib"])
+        if self.kind == "growth":
+            return c.peak_rss_mib / res.measured[self.baseline].peak_rss_mib
         return c.median_s
 
     def met(self, res: "SuiteResult") -> bool:
@@ -129,10 +135,17 @@ class Goal:
 
     def describe(self) -> str:
         if self.kind == "ratio":
-            return f"{self.contender} / {self.baseline} >= {self.target}x"
+            return f"{self.contender} / {self.baseline} >= {self.target:.3g}x"
         if self.kind == "added_s":
             return f"{self.contender} - {self.baseline} <= {self.target} s"
+        if self.kind == "max_mib":
+            return f"{self.contender}: peak above model and optimizer <= {self.target:.0f} MiB"
+        if self.kind == "growth":
+            return f"{self.contender} peak RSS / {self.baseline}'s <= {self.target}x"
         return f"{self.contender} <= {self.target} s"
+
+    def unit(self) -> str:
+        return {"ratio": "x", "growth": "x", "max_mib": " MiB"}.get(self.kind, " s")
 
 
 @dataclass
@@ -238,7 +251,7 @@ def table(res: SuiteResult) -> str:
         lines += ["", "| goal | measured | met |", "|---|---|---|"]
         for g in res.goals:
             v = g.value(res)
-            lines.append(f"| {g.describe()} | {v:.2f}{'x' if g.kind == 'ratio' else ' s'} | "
+            lines.append(f"| {g.describe()} | {v:.2f}{g.unit()} | "
                          f"{'yes' if g.met(res) else 'NO'} |")
     notes = [f"- {res.measured[n].name}: {res.measured[n].note}" for n in names if res.measured[n].note] + \
             [f"- {x}" for x in res.notes]

@@ -24,7 +24,7 @@ from hacrl.study.bench.core import SuiteResult, table, write
 
 log = logging.getLogger(__name__)
 
-SUITES = ("rollout", "rollout_smollm2", "update", "verify", "evaluate", "align", "pipeline")
+SUITES = ("rollout", "rollout_smollm2", "update", "verify", "evaluate", "align", "pipeline", "memory", "memory_generate")
 """In the order ``hacrl bench all`` runs them."""
 
 SIZES = ("smoke", "full")
