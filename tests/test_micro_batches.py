@@ -218,6 +218,11 @@ def test_generation_within_a_kv_budget_gives_the_same_greedy_answers(pool):
     calls = eng.batches(sorted(len(agent.tokenizer(agent.render(p["problem"]))["input_ids"]) for p in held), 12)
     assert len(calls) > 1 and all(len(c) * 12 < 200 for c in calls)
     assert greedy_answers(agent, held, 12, 64, max_batch_tokens=200) == greedy_answers(agent, held, 12, 64)
+    # a row longer than GPT-2's learned positions: refused in one line before generating, not
+    # torch's "index out of range in self" halfway through
+    assert agent.model.config.n_positions == 64
+    with pytest.raises(ValueError, match=r"over the model's 64 \(n_positions"):
+        greedy_answers(agent, held, 60, 64)
 
 
 def test_bf16_accumulates_micro_batches_in_fp32_and_needs_deepspeed(pool):

@@ -96,6 +96,7 @@ class HFEngine:
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
         tok = self.tokenizer
         enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        _check_positions(self.model.config, max((len(e) for e in enc), default=0), params.max_new_tokens, self.desc)
         jobs = [(i, s) for i in range(len(prompts)) for s in range(params.n)]
         # sort by prompt length so a batch pads little; results come back in job order
         order = sorted(range(len(jobs)), key=lambda j: len(enc[jobs[j][0]]))
@@ -138,3 +139,15 @@ class HFEngine:
                 (ids, finish), pi, si = rows[r], *jobs[j]
                 results[j] = Completion(pi, si, texts[r], batch_prompts[r], ids, lps[r][: len(ids)], finish)
         return results  # type: ignore[return-value]
+
+
+def _check_positions(config, longest_prompt: int, max_new_tokens: int, desc: str) -> None:
+    """A model with a fixed table of learned positions (GPT-2's ``n_positions``) fails deep inside
+    torch ("index out of range in self") once a row outgrows it: refuse before generating, as vLLM
+    refuses a prompt + max_tokens over its max_model_len. Rotary models extrapolate and are let be."""
+    limit = getattr(config, "n_positions", None)
+    if limit and longest_prompt + max_new_tokens > limit:
+        raise ValueError(f"{desc}: a prompt of {longest_prompt} tokens + max_new_tokens {max_new_tokens} = "
+                         f"{longest_prompt + max_new_tokens} positions, over the model's {limit} (n_positions, "
+                         "learned positions); lower rollout.max_new_tokens / eval.max_new_tokens or use a model "
+                         "with a longer context")
