@@ -17,7 +17,7 @@ from hacrl.study.bench.memory import _run_cell, pool
 log = logging.getLogger(__name__)
 
 DEFAULT_REPS = 1
-GRID = {"full": {"rows": 16, "response": 512, "budget": 4096, "short_prompt": False},
+GRID = {"full": {"rows": 8, "response": 512, "budget": 2048, "short_prompt": False},
         "smoke": {"rows": 16, "response": 16, "budget": 200, "short_prompt": True}}
 
 
