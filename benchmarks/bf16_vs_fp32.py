@@ -14,6 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from hacrl.storage import write_json
 from hacrl.study.bench.memory import _run_cell, pool
 
 
@@ -33,11 +34,7 @@ def main() -> int:
             raise SystemExit(f"{dtype} ZeRO {zero}: {r['error']}")
         out[f"{dtype}-zero{zero}"] = r
         print(json.dumps({"dtype": dtype, "zero_stage": zero, **r}), flush=True)
-    dest = Path("reports/bench/bf16_vs_fp32.json")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(dest)
+    write_json(Path("reports/bench/bf16_vs_fp32.json"), out)  # temp file, then rename
     return 0
 
 

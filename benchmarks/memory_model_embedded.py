@@ -17,6 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from hacrl.storage import write_json
 from hacrl.study.bench.memory import _run_cell
 
 AGENT = "qwen2-strong"
@@ -42,11 +43,7 @@ def main() -> int:
         r["measured_above_setup_mib"] = round(r["peak_rss_mib"] - r["setup_rss_mib"], 1)
         out[name] = r
         print(json.dumps({"cell": name, **r}), flush=True)
-    dest = Path("reports/bench/memory_model_embedded.json")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(dest)
+    write_json(Path("reports/bench/memory_model_embedded.json"), out)  # temp file, then rename
     return 0
 
 
