@@ -190,27 +190,9 @@ class PolicyOptimizer:
         return self.engine if self.engine is not None else self.module
 
     def step(self, loss: torch.Tensor) -> float:
-        """Backward + clipped optimizer step with the ramped learning rate; returns grad norm."""
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(f"non-finite loss {loss.item()} at update {self.state.updates}")
-        lr = self.base_lr * min(1.0, (self.state.updates + 1) / max(1, self.cfg.lr_warmup_updates))
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        if self.engine is not None:
-            self.engine.backward(loss)
-            own = _grad_norm(self.module)  # ZeRO-0 keeps no norm of its own; read it before step
-            self.engine.step()
-            gn = self.engine.get_global_grad_norm()
-            gn = float(gn) if gn is not None else own
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
-            self.optimizer.step()
-        if not np.isfinite(gn):
-            raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
-        self.state.updates += 1
-        return gn
+        """Backward + clipped optimizer step with the ramped learning rate for a whole mini-batch
+        (one micro-batch that is also the last); returns the gradient norm."""
+        return self.micro_step(loss, last=True)
 
     def micro_step(self, loss: torch.Tensor, last: bool) -> float | None:
         """Backward of one micro-batch's share of a mini-batch's loss (gradients accumulate); after
