@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hacrl.ops.hashes import dvc_hash
+from hacrl.hashes import dvc_hash
 from hacrl.pipeline import table
 from hacrl.storage import read_json
 

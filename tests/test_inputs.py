@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hacrl.ops.hashes import dvc_hash, file_md5
+from hacrl.hashes import dvc_hash, file_md5
 from hacrl.ops.inputs import DamagedInput, verify
 from hacrl.pipeline.table import dvc_stage_id
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hacrl.ops.hashes import dvc_hash
+from hacrl.hashes import dvc_hash
 from hacrl.ops.orchestration import LockBusy, StageFailed, run_dvc_stage, workspace_lock
 from hacrl.ops.tracking import flatten, sanitize
 

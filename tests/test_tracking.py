@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hacrl.ops.hashes import dvc_hash
+from hacrl.hashes import dvc_hash
 from hacrl.ops.tracking import Tracker
 from hacrl.pipeline import params
 from hacrl.pipeline.result import Input, Series, StageResult

@@ -3,7 +3,7 @@
 What every importance ratio relies on: vLLM's greedy output equals transformers' token for
 token on the same weights; its sampled log-probs (after temperature) match the trainer's
 forward on the same tokens; after a weight sync it serves exactly what a fresh engine over the
-new checkpoint serves, in place for untied embeddings and by a restart for tied ones.
+new checkpoint serves, in place, tied embeddings included.
 
 Skipped when ``.venv-vllm`` is absent, unless ``HACRL_REQUIRE_VLLM=1`` (CI), where that fails.
 """
@@ -119,21 +119,29 @@ def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_pr
         assert _greedy(fresh, prompts) == after_sync == hf2
 
 
-def test_vllm_tied_embeddings_sync_by_restart(tmp_path, tiny_problems):
+def test_vllm_tied_embeddings_sync_in_place(tmp_path, tiny_problems):
+    """vLLM's own in-place reload leaves a tied output head on the old weights (on the CPU its
+    packed matrix); the worker extension rebuilds it, so the synced engine samples exactly what a
+    fresh engine over the new checkpoint samples, log-probs included."""
+    from hacrl.rollout.engine import SamplingParams
     from hacrl.rollout.hf import HFEngine
-    from hacrl.rollout.vllm_engine import ties_embeddings
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=True)
-    assert ties_embeddings(d)
     prompts = _prompts(ac, tiny_problems, n=12)
+    sampling = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=7)
     with _engine(d, tok) as eng:
         assert _greedy(eng, prompts) == _greedy(HFEngine(model, tok), prompts)
+        before = [c.logprobs for c in eng.generate(prompts, sampling)]
         d2 = tmp_path / "tied-2"
         model2 = _perturbed(model, d2)
         tok.save_pretrained(d2)
         sync = eng.reload(d2)
-        assert sync["mode"] == "restart"
+        assert sync["mode"] == "in_place"
         assert _greedy(eng, prompts) == _greedy(HFEngine(model2, tok), prompts)
+        synced = [(c.token_ids, c.logprobs) for c in eng.generate(prompts, sampling)]
+    with _engine(d2, tok) as fresh:
+        assert [(c.token_ids, c.logprobs) for c in fresh.generate(prompts, sampling)] == synced
+    assert [lp for _, lp in synced] != before
 
 
 def test_vllm_worker_errors_are_clear(tmp_path, tiny_problems):

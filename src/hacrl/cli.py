@@ -258,8 +258,10 @@ def cmd_resources(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from hacrl.ops import stage_server
     from hacrl.ops.services import stop
+    from hacrl.rollout import engine_host
 
-    stopped = stop(args.project) + (["stage server"] if stage_server.stop() else [])
+    stopped = (stop(args.project) + (["engine host"] if engine_host.stop(args.project) else [])
+               + (["stage server"] if stage_server.stop() else []))
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
 

@@ -476,6 +476,14 @@ class EnginesConfig(Settings):
     """Fraction of a GPU's memory vLLM may take (GPU hosts only)."""
     vllm_timeout_s: float = setting(900.0, gt=0)
     """A vLLM worker that does not answer a request (start-up included) in this time is stopped."""
+    host: bool = True
+    """Stages run by ``dvc repro``, Prefect or ``hacrl stage`` get their engine processes (vLLM
+    workers) from the workspace's engine host, which keeps them across stages and iterations and
+    syncs each to the checkpoint a stage reads (docs/ARCHITECTURE.md, "Engine host"); false:
+    every stage starts its own. ``HACRL_ENGINE_HOST=0`` turns it off too. (``hacrl run`` keeps
+    its engines in its own process.)"""
+    host_idle_s: float = setting(900.0, gt=0, le=86400)
+    """The engine host stops an engine no stage used for this long, and exits once it serves none."""
     logprob_check_samples: int = setting(0, ge=0)
     """Sequences per agent and iteration on which generate-rollouts compares the engine's sampled
     log-probs with the trainer's forward on the same tokens (logged as ``logprob_gap_mean`` /

@@ -86,7 +86,7 @@ def producer_of(spec: dict, path: str) -> str | None:
 def _differing_file(project: Path, path: Path, md5: str) -> str:
     """Which file of directory ``path`` differs from DVC's record (its ``.dir`` manifest in the
     cache), else the directory itself."""
-    from hacrl.ops.hashes import file_md5
+    from hacrl.hashes import file_md5
 
     manifest = project / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
     if not manifest.is_file():
@@ -103,38 +103,9 @@ def _differing_file(project: Path, path: Path, md5: str) -> str:
 
 
 def _hash(project: Path, path: Path) -> str:
-    """DVC's hash of ``path``, each file's md5 memoised by (size, mtime, ctime, inode) in
-    ``.dvc/tmp/hacrl-md5.json``: a stage start stats its inputs instead of reading them again
-    (DVC hashed them a moment ago). Any write to a file changes its ctime, which no tool sets."""
-    from hacrl.ops.hashes import dvc_hash, file_md5
-    from hacrl.storage import atomic_write_text
+    from hacrl.hashes import cached_dvc_hash
 
-    cache_file = project / ".dvc" / "tmp" / "hacrl-md5.json"
-    try:
-        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
-    except (OSError, ValueError):
-        cache = {}
-    seen = {}
-
-    def md5_of(f: Path) -> str:
-        st = f.stat()
-        key = str(f.resolve())
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        hit = cache.get(key)
-        if hit and hit[0] == stamp:
-            seen[key] = hit
-            return hit[1]
-        seen[key] = [stamp, file_md5(f)]
-        return seen[key][1]
-
-    h = dvc_hash(path, md5=md5_of)
-    if seen and cache_file.parent.is_dir():
-        cache.update(seen)
-        try:
-            atomic_write_text(cache_file, json.dumps(cache))
-        except OSError:  # a cache only
-            pass
-    return h
+    return cached_dvc_hash(project, path)
 
 
 def verify(project: str | os.PathLike, stage_id: str) -> list[str]:
@@ -185,7 +156,7 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     entry (nothing external) gets a constant stamp."""
     from hacrl.config.build import read_yaml
     from hacrl.errors import ConfigError
-    from hacrl.ops.hashes import dvc_hash
+    from hacrl.hashes import dvc_hash
     from hacrl.storage import atomic_write_text
 
     project = Path(project)

@@ -77,19 +77,9 @@ def socket_path() -> Path:
 
 def fingerprint() -> str:
     """Changes when any hacrl source file or the set of installed packages changes."""
-    import hacrl
+    from hacrl.hashes import code_fingerprint
 
-    h = hashlib.sha1()
-    pkg = Path(hacrl.__file__).parent
-    for f in sorted(pkg.rglob("*.py")):
-        st = f.stat()
-        h.update(f"{f}:{st.st_mtime_ns}:{st.st_size}".encode())
-    import site
-
-    for d in site.getsitepackages():
-        if os.path.isdir(d):
-            h.update(f"{d}:{os.stat(d).st_mtime_ns}".encode())
-    return h.hexdigest()
+    return code_fingerprint()
 
 
 # ---------------------------------------------------------------------------------- client

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hacrl.config.schema import Config
-from hacrl.ops.hashes import dvc_hash
+from hacrl.hashes import dvc_hash
 from hacrl.pipeline import table
 from hacrl.pipeline.result import Input, StageResult
 from hacrl.storage import RunLayout, read_json, write_json

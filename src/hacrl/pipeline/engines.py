@@ -16,8 +16,10 @@ import threading
 from pathlib import Path
 
 from hacrl.config.schema import AgentConfig, Config
+from hacrl.hashes import cached_dvc_hash
 from hacrl.pipeline.params import CONF_DIR
 from hacrl.resources import Job, Release, device_env, job_cores, on_gpus
+from hacrl.rollout import engine_host
 from hacrl.rollout.engine import EngineRequest, RolloutEngine
 from hacrl.rollout.table import engine_spec
 
@@ -48,8 +50,11 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
 
     An in-process engine wraps the loaded ``agent``; one with a process of its own starts, or,
     given ``live`` (the engines an in-process run keeps across iterations), the agent's running
-    engine is made to serve ``model_dir`` (in place, or by a restart for tied embeddings).
-    Returns the engine and what starting or syncing it cost. ``job``: the MWRA placement (its
+    engine is made to serve ``model_dir`` (in place). Otherwise, for an engine with a process
+    worth keeping (``keeps_alive``), a stage process's engine comes from the workspace's engine
+    host (:mod:`hacrl.rollout.engine_host`, ``engines.host``), named by the checkpoint's content
+    hash: the host serves exactly those weights. Returns the engine and what starting or syncing
+    it cost. ``job``: the MWRA placement (its
     GPUs become the engine process's ``CUDA_VISIBLE_DEVICES`` and its tensor-parallel size, its
     token budget the engine's batch budget); ``threads``: its share of the host's cores.
     """
@@ -60,6 +65,7 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
                                "engine_sync_restart": int(sync["mode"] == "restart")}
     e = cfg.engines
     gpus = job is not None and on_gpus(job.devices)
+    hosted = live is None and spec.keeps_alive and e.host and engine_host.enabled()
     request = EngineRequest(
         model_dir, agent.tokenizer, model=agent.model, batch_size=cfg.rollout.batch_size, desc=f"{desc} {ac.name}",
         dtype="bfloat16" if cfg.trainer.dtype == "bf16" else "float32", seed=cfg.experiment.seed,
@@ -68,11 +74,20 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
         max_batch_tokens=job.max_batch_tokens if job is not None else 0,
         max_model_len=0 if spec.in_process else _max_model_len(cfg, agent),
         sleep_mode=gpus and spec.can_sleep and cfg.resources.engine_release == "sleep",
-        settings=dataclasses.replace(e, vllm_python=str(vllm_python(e.vllm_python))))
+        settings=dataclasses.replace(e, vllm_python=str(vllm_python(e.vllm_python))),
+        # a stage process asks the workspace's engine host for the agent at this checkpoint's
+        # content (hashed through the memo the input check just filled: a stat per file)
+        host=Path.cwd() if hosted else None, agent=ac.name,
+        weights_id=cached_dvc_hash(Path.cwd(), model_dir) if hosted else "")
     engine = spec.load().open(request)
     if live is not None and spec.keeps_alive:
         live[ac.name] = engine
-    return engine, ({} if engine.startup_s is None else {"engine_startup_s": round(engine.startup_s, 2)})
+    cost = {} if engine.startup_s is None else {"engine_startup_s": round(engine.startup_s, 2)}
+    sync = getattr(engine, "sync", None)
+    if sync:  # the engine host's: started, reused, or reloaded in place
+        cost.update({"engine_sync_s": round(sync["seconds"], 2), "engine_hosted": 1,
+                     "engine_reused": int(sync["mode"] == "reuse"), "engine_started": int(sync["mode"] == "start")})
+    return engine, cost
 
 
 def _max_model_len(cfg: Config, agent) -> int:

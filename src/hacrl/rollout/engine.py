@@ -17,6 +17,10 @@ from typing import Any, Protocol
 from hacrl.config.schema import EnginesConfig
 
 
+class EngineError(RuntimeError):
+    """An engine process failed or died; the message carries its last log lines."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,6 +71,13 @@ class EngineRequest:
     """Start able to sleep (free its device memory while an update runs)."""
     settings: EnginesConfig = field(default_factory=EnginesConfig)
     """How engine processes run (``engines.*``)."""
+    host: str | Path | None = None
+    """The workspace's engine host (its socket), for an engine with a process worth keeping
+    (``keeps_alive``): the host keeps the process across stages; None: the engine's own."""
+    agent: str = ""
+    """The agent the engine serves (the host keeps one engine per agent)."""
+    weights_id: str = ""
+    """The content hash of ``model_dir`` (DVC's): the host serves exactly these weights."""
 
 
 class RolloutEngine(Protocol):

@@ -12,8 +12,9 @@ Requests:
 - ``{"cmd": "generate", "prompts": [[ids]], "n": ..., "temperature": ..., "top_p": ...,
   "max_tokens": ..., "greedy": bool, "seeds": [per prompt], "stop_token_ids": [...]}``
   returns, per prompt, n ``{"token_ids", "logprobs", "finish_reason"}``.
-- ``{"cmd": "reload", "weights": DIR}``: in place, then ``reset_prefix_cache``. The client
-  restarts the engine instead when the model ties its embeddings: reloading those is not exact.
+- ``{"cmd": "reload", "weights": DIR}``: in place (``hacrl_vllm_ext``: vLLM's reload, then a tied
+  output head rebuilt from the reloaded embedding), then ``reset_prefix_cache``; replies with
+  the number of heads rebuilt.
 - ``{"cmd": "stop"}``
 
 Log-probs: ``logprobs_mode="processed_logprobs"``, the sampled token's log-prob under the
@@ -79,7 +80,8 @@ def main() -> int:
                           enforce_eager=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                           enable_prefix_caching=False,
                           gpu_memory_utilization=float(req.get("gpu_memory_utilization", 0.9)),
-                          tensor_parallel_size=int(req.get("tensor_parallel_size", 1)), **extra)
+                          tensor_parallel_size=int(req.get("tensor_parallel_size", 1)),
+                          worker_extension_cls="hacrl_vllm_ext.HacrlWorkerExtension", **extra)
                 _reply({"ok": True, "seconds": time.time() - t0})
             elif cmd == "generate":
                 from vllm import SamplingParams
@@ -106,9 +108,9 @@ def main() -> int:
                     res.append(comps)
                 _reply({"ok": True, "outputs": res, "seconds": time.time() - t0})
             elif cmd == "reload":
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": req["weights"]})
+                rebuilt = llm.collective_rpc("hacrl_reload", kwargs={"weights_path": req["weights"]})
                 llm.reset_prefix_cache()
-                _reply({"ok": True, "seconds": time.time() - t0})
+                _reply({"ok": True, "seconds": time.time() - t0, "tied_heads": rebuilt[0]})
             elif cmd == "sleep":  # level 1: weights to host memory, KV cache dropped
                 llm.sleep(level=1)
                 _reply({"ok": True, "seconds": time.time() - t0})

@@ -1,0 +1,242 @@
+"""The engine host's server (:mod:`hacrl.rollout.engine_host` describes it): one thread per
+connection, one worker per agent, run as ``python -m hacrl.rollout.engine_host_server SOCKET
+PROJECT IDLE_S`` by the first stage that needs it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hacrl.rollout.engine import EngineError
+from hacrl.rollout.engine_host import _Conn, _connect
+from hacrl.rollout.vllm_engine import VLLMProcess
+
+log = logging.getLogger(__name__)
+
+
+class _Engine:
+    def __init__(self, agent: str):
+        self.agent = agent
+        self.lock = threading.Lock()
+        self.proc = None  # a VLLMProcess
+        self.weights = ""
+        self.settings: dict = {}
+        self.last_used = time.monotonic()
+        self.sessions = 0
+
+    def describe(self) -> dict:
+        return {"agent": self.agent, "weights": self.weights, "pid": self.proc.proc.pid if self.proc and self.proc.proc else None,
+                "model_dir": self.proc.model_dir if self.proc else None, "sessions": self.sessions,
+                "asleep": bool(self.proc and self.proc.asleep), "idle_s": round(time.monotonic() - self.last_used, 1)}
+
+    def serve(self, model_dir: str, weights: str, settings: dict) -> dict:
+        """Make the worker serve ``weights`` (from ``model_dir``) under ``settings``."""
+        t0 = time.time()
+        if self.proc is not None and (self.settings != settings or not self.proc.alive):
+            self.close()
+        if self.proc is None:
+            self.weights = ""  # nothing is served until the start succeeds
+            self.proc = VLLMProcess(model_dir, settings)
+            self.settings, self.weights = settings, weights
+            return {"mode": "start", "seconds": time.time() - t0, "startup_s": self.proc.startup_s}
+        if self.weights == weights:
+            if self.proc.asleep:
+                self.proc.wake()
+            return {"mode": "reuse", "seconds": time.time() - t0}
+        self.weights = ""  # a failed reload leaves no weights anyone could be served
+        self.proc.reload(model_dir)
+        self.weights = weights
+        return {"mode": "in_place", "seconds": time.time() - t0}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+        self.proc, self.weights, self.settings = None, "", {}
+
+
+class Host:
+    """The server: one thread per connection, one :class:`_Engine` per agent."""
+
+    def __init__(self, path: Path, project: Path, idle_s: float):
+        from hacrl.hashes import code_fingerprint
+
+        self.path, self.project, self.idle_s = path, project, idle_s
+        self.engines: dict[str, _Engine] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.connections = 0
+        self.print = code_fingerprint()
+        self.last_activity = time.monotonic()
+
+    def _engine(self, agent: str) -> _Engine:
+        with self.lock:
+            return self.engines.setdefault(agent, _Engine(agent))
+
+    def stale(self) -> bool:
+        from hacrl.hashes import code_fingerprint
+
+        return code_fingerprint() != self.print
+
+    def handle(self, sock: socket.socket) -> None:
+        conn = _Conn(sock)
+        held: _Engine | None = None
+        with self.lock:
+            self.connections += 1
+        try:
+            while True:
+                try:
+                    line = conn.f.readline()
+                except OSError:
+                    line = b""
+                if not line:
+                    return
+                msg = json.loads(line)
+                reply = self._reply(msg, held)
+                if isinstance(reply, tuple):  # an open: the session now holds the agent's engine
+                    held, reply = reply
+                try:
+                    conn.f.write(json.dumps(reply).encode() + b"\n")
+                    conn.f.flush()
+                except OSError:
+                    return
+                if msg.get("stop"):
+                    self.stopping.set()
+                    return
+        finally:
+            if held is not None:
+                held.sessions -= 1
+                held.last_used = time.monotonic()
+                held.lock.release()
+            with self.lock:
+                self.connections -= 1
+                self.last_activity = time.monotonic()
+            conn.close()
+
+    def _reply(self, msg: dict, held: _Engine | None):
+        if "hello" in msg:
+            if self.stopping.is_set():
+                return {"ok": False, "refused": "stopping"}
+            if self.stale():
+                self.stopping.set()  # exits once its sessions end
+                log.info("the code changed since this host started: no new sessions")
+                return {"ok": False, "refused": "stale"}
+            return {"ok": True, "pid": os.getpid()}
+        if "status" in msg:
+            with self.lock:
+                return {"ok": True, "pid": os.getpid(),
+                        "engines": [e.describe() for e in self.engines.values() if e.proc is not None]}
+        if "stop" in msg:
+            return {"ok": True}
+        if "open" in msg:
+            if held is not None:
+                return {"ok": False, "error": "engine host: this session already holds an engine"}
+            o = msg["open"]
+            eng = self._engine(o["agent"])
+            eng.lock.acquire()  # one stage at a time per agent's engine
+            eng.sessions += 1
+            try:
+                out = eng.serve(o["model_dir"], o["weights"], o["settings"])
+            except (EngineError, OSError) as e:
+                eng.close()
+                eng.sessions -= 1
+                eng.lock.release()
+                return {"ok": False, "error": str(e)}
+            log.info("%s at %s (%s): %s in %.2fs", o["agent"], o["weights"][:12], o["model_dir"], out["mode"],
+                     out["seconds"])
+            return eng, {"ok": True, **out}
+        if held is None or held.proc is None:
+            return {"ok": False, "retry": True, "error": "engine host: no engine open in this session"}
+        if "sleep" in msg:
+            try:
+                held.proc.sleep()
+                return {"ok": True}
+            except EngineError as e:
+                held.close()
+                return {"ok": False, "error": str(e)}
+        if "call" in msg:
+            try:
+                if held.proc.asleep:
+                    held.proc.wake()
+                return {"ok": True, "reply": held.proc.call(msg["call"])}
+            except EngineError as e:
+                dead = not held.proc.alive
+                if dead:  # its worker died: drop it; a retry starts a fresh one on the same weights
+                    held.close()
+                return {"ok": False, "retry": dead, "error": str(e)}
+        return {"ok": False, "error": f"engine host: unknown request {sorted(msg)}"}
+
+    def reap(self) -> bool:
+        """Stop engines idle past ``idle_s``; whether the host should exit."""
+        now = time.monotonic()
+        with self.lock:
+            engines = list(self.engines.values())
+            busy = self.connections
+        for e in engines:
+            if e.proc is not None and now - e.last_used > self.idle_s and e.lock.acquire(blocking=False):
+                try:
+                    log.info("%s: idle for %.0fs, stopped", e.agent, now - e.last_used)
+                    e.close()
+                finally:
+                    e.lock.release()
+        served = any(e.proc is not None for e in engines)
+        return not busy and not served and now - self.last_activity > min(self.idle_s, 60.0)
+
+    def shutdown(self) -> None:
+        for e in list(self.engines.values()):
+            e.close()
+
+
+def serve(path: Path, project: Path, idle_s: float) -> None:
+    """Serve the workspace at ``project`` on ``path`` until stopped, stale and idle, or idle."""
+    host = Host(path, project, idle_s)
+    probe = _connect(path)
+    if probe is not None:  # two clients started a host at once: the one that is up serves
+        probe.close()
+        log.info("a host already answers at %s: exiting", path)
+        return
+    tmp = path.with_name(path.name + f".{os.getpid()}")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp))
+    os.chmod(tmp, 0o600)
+    srv.listen(16)
+    os.replace(tmp, path)  # a client never connects to a half-set-up host
+    srv.settimeout(1.0)
+    log.info("engine host %d ready at %s for %s", os.getpid(), path, project)
+    try:
+        while not host.stopping.is_set() or host.connections:
+            try:
+                sock, _ = srv.accept()
+            except TimeoutError:
+                if host.reap():
+                    log.info("idle, no engines: exiting")
+                    return
+                continue
+            sock.settimeout(None)
+            threading.Thread(target=host.handle, args=(sock,), daemon=True).start()
+    finally:
+        try:
+            if os.stat(path).st_ino == os.fstat(srv.fileno()).st_ino:
+                path.unlink()
+        except OSError:
+            pass
+        srv.close()
+        host.shutdown()
+        log.info("stopped")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-host: %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    serve(Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 900.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
