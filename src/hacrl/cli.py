@@ -88,6 +88,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
         _injected_fault(args.name, t)
         # the upstream artifacts it reads are what their stages wrote (dvc.lock), before any work
         verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or table.dvc_stage_id(args.name, t))
+        from hacrl.pipeline.engines import serve_from_host
+
+        serve_from_host()  # engine processes and verifier workers outlive this stage process
         result = table.run(args.name, cfg, t)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):

@@ -34,6 +34,27 @@ LOADING = threading.Lock()
 here: "cannot import name 'AutoModelForCausalLM'" when two rollout jobs started at once)."""
 
 
+_HOST = {"on": False}
+
+
+def serve_from_host(on: bool = True) -> None:
+    """Whether this process's stages take engine processes and verifier workers from the
+    workspace's engine host (:mod:`hacrl.rollout.engine_host`): ``hacrl stage`` turns it on (a
+    stage process under ``dvc repro`` or Prefect); ``hacrl run`` keeps its own, in its process."""
+    _HOST["on"] = on
+
+
+def hosted(cfg: Config) -> bool:
+    """Stages of this process use the engine host (``engines.host``, ``HACRL_ENGINE_HOST``)."""
+    return _HOST["on"] and cfg.engines.host and engine_host.enabled()
+
+
+def verifier_lease(cfg: Config):
+    """Ready-made verifier workers from the engine host for a ``VerifierPool`` (None: it starts
+    its own)."""
+    return engine_host.VerifierLease(Path.cwd(), cfg.engines.host_idle_s) if hosted(cfg) else None
+
+
 def vllm_python(path: str) -> Path:
     """The vLLM interpreter: an absolute path as is; a relative one from the working directory if
     it exists there, else from the project root (where ``make setup-vllm`` builds it)."""
@@ -65,7 +86,7 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
                                "engine_sync_restart": int(sync["mode"] == "restart")}
     e = cfg.engines
     gpus = job is not None and on_gpus(job.devices)
-    hosted = live is None and spec.keeps_alive and e.host and engine_host.enabled()
+    use_host = live is None and spec.keeps_alive and hosted(cfg)
     request = EngineRequest(
         model_dir, agent.tokenizer, model=agent.model, batch_size=cfg.rollout.batch_size, desc=f"{desc} {ac.name}",
         dtype="bfloat16" if cfg.trainer.dtype == "bf16" else "float32", seed=cfg.experiment.seed,
@@ -77,8 +98,8 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
         settings=dataclasses.replace(e, vllm_python=str(vllm_python(e.vllm_python))),
         # a stage process asks the workspace's engine host for the agent at this checkpoint's
         # content (hashed through the memo the input check just filled: a stat per file)
-        host=Path.cwd() if hosted else None, agent=ac.name,
-        weights_id=cached_dvc_hash(Path.cwd(), model_dir) if hosted else "")
+        host=Path.cwd() if use_host else None, agent=ac.name, host_idle_s=e.host_idle_s,
+        weights_id=cached_dvc_hash(Path.cwd(), model_dir) if use_host else "")
     engine = spec.load().open(request)
     if live is not None and spec.keeps_alive:
         live[ac.name] = engine

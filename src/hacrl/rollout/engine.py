@@ -76,6 +76,8 @@ class EngineRequest:
     (``keeps_alive``): the host keeps the process across stages; None: the engine's own."""
     agent: str = ""
     """The agent the engine serves (the host keeps one engine per agent)."""
+    host_idle_s: float = 900.0
+    """How long the host keeps an engine no stage uses (``engines.host_idle_s``)."""
     weights_id: str = ""
     """The content hash of ``model_dir`` (DVC's): the host serves exactly these weights."""
 

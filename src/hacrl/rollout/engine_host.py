@@ -98,6 +98,11 @@ class _Conn:
             except OSError:
                 pass
 
+    def detach(self) -> socket.socket:
+        """The raw socket, for a caller that reads it itself (the hello's reply was read whole)."""
+        self.f.close()
+        return self.sock
+
 
 def _connect(path: Path, wait_s: float = 0.0, server: subprocess.Popen | None = None) -> socket.socket | None:
     deadline = time.monotonic() + wait_s
@@ -187,6 +192,57 @@ def status(project: str | os.PathLike) -> dict | None:
         return None
     finally:
         conn.close()
+
+
+class VerifierLease:
+    """Verifier processes (:mod:`hacrl.task.rewards`) from the engine host's stock, started and
+    past their math-verify import before the stage asked: ``VerifierPool(lease=...)``.
+
+    One connection per pool; each ``lend`` hands over one worker (its pid and pipe ends, over the
+    socket) that the stage then owns (it stops it as it would its own). When the pool closes the
+    lease, the host starts as many again, to be ready for the next stage: their imports run
+    between stages rather than inside one. Any failure: None, and the pool starts its own.
+    """
+
+    def __init__(self, project: str | os.PathLike, idle_s: float = 900.0):
+        self.project, self.idle_s = Path(project), idle_s
+        self.sock: socket.socket | None = None
+        self.failed = False
+        self.lent = 0
+
+    def lend(self, timeout_s: float) -> tuple[int, int, int] | None:
+        if self.failed:
+            return None
+        try:
+            if self.sock is None:
+                self.sock = connect(self.project, self.idle_s).detach()
+            self.sock.sendall(json.dumps({"lend": {"timeout_s": float(timeout_s)}}).encode() + b"\n")
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
+            while msg and not msg.endswith(b"\n"):
+                more = self.sock.recv(4096)
+                if not more:
+                    break
+                msg += more
+            reply = json.loads(msg or b"{}")
+            if not reply.get("ok") or len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                raise HostError(reply.get("error") or "no worker")
+        except (OSError, ValueError, HostError, ConnectionError) as e:
+            log.info("verifier workers start here (engine host: %s)", e)
+            self.failed = True
+            self.close()
+            return None
+        self.lent += 1
+        return int(reply["pid"]), fds[0], fds[1]
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
 
 
 class HostedProcess:

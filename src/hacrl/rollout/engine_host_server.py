@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -73,6 +74,7 @@ class Host:
         self.connections = 0
         self.print = code_fingerprint()
         self.last_activity = time.monotonic()
+        self.verifiers = _VerifierStock()
 
     def _engine(self, agent: str) -> _Engine:
         with self.lock:
@@ -86,6 +88,7 @@ class Host:
     def handle(self, sock: socket.socket) -> None:
         conn = _Conn(sock)
         held: _Engine | None = None
+        lent: list[float] = []  # timeouts of the verifier workers this connection took
         with self.lock:
             self.connections += 1
         try:
@@ -97,6 +100,9 @@ class Host:
                 if not line:
                     return
                 msg = json.loads(line)
+                if "lend" in msg:
+                    self._lend(sock, msg["lend"], lent)
+                    continue
                 reply = self._reply(msg, held)
                 if isinstance(reply, tuple):  # an open: the session now holds the agent's engine
                     held, reply = reply
@@ -117,6 +123,8 @@ class Host:
                 self.connections -= 1
                 self.last_activity = time.monotonic()
             conn.close()
+            if lent:  # ready for the next stage: started now, between stages
+                self.verifiers.restock(lent)
 
     def _reply(self, msg: dict, held: _Engine | None):
         if "hello" in msg:
@@ -171,8 +179,23 @@ class Host:
                 return {"ok": False, "retry": dead, "error": str(e)}
         return {"ok": False, "error": f"engine host: unknown request {sorted(msg)}"}
 
+    def _lend(self, sock: socket.socket, req: dict, lent: list[float]) -> None:
+        """Hand one ready verifier worker to the connection (its pid, then its pipes' ends)."""
+        if self.stopping.is_set():
+            sock.sendall(json.dumps({"ok": False, "error": "stopping"}).encode() + b"\n")
+            return
+        timeout_s = float(req["timeout_s"])
+        proc = self.verifiers.take(timeout_s)
+        try:
+            socket.send_fds(sock, [json.dumps({"ok": True, "pid": proc.pid}).encode() + b"\n"],
+                            [proc.stdin.fileno(), proc.stdout.fileno()])
+            lent.append(timeout_s)
+        finally:  # the borrower owns it now: the host keeps only its pid, to reap it
+            self.verifiers.handed(proc)
+
     def reap(self) -> bool:
         """Stop engines idle past ``idle_s``; whether the host should exit."""
+        self.verifiers.reap()
         now = time.monotonic()
         with self.lock:
             engines = list(self.engines.values())
@@ -190,6 +213,72 @@ class Host:
     def shutdown(self) -> None:
         for e in list(self.engines.values()):
             e.close()
+        self.verifiers.close()
+
+
+class _VerifierStock:
+    """Verifier processes started ahead of time, per answer time limit; lent ones reaped."""
+
+    MAX = 16
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready: dict[float, list[subprocess.Popen]] = {}
+        self.lent: list[subprocess.Popen] = []
+
+    @staticmethod
+    def _start(timeout_s: float) -> subprocess.Popen:
+        from hacrl.task.rewards import worker_command, worker_env
+
+        return subprocess.Popen(worker_command(timeout_s), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env=worker_env())
+
+    def take(self, timeout_s: float) -> subprocess.Popen:
+        with self.lock:
+            stock = self.ready.get(timeout_s, [])
+            while stock:
+                p = stock.pop(0)
+                if p.poll() is None:
+                    return p
+                self._close(p)
+        return self._start(timeout_s)  # none ready: started now (the borrower waits for its import)
+
+    def handed(self, proc: subprocess.Popen) -> None:
+        for f in (proc.stdin, proc.stdout):
+            f.close()
+        with self.lock:
+            self.lent.append(proc)
+
+    def restock(self, timeouts: list[float]) -> None:
+        with self.lock:
+            for t in timeouts:
+                if sum(map(len, self.ready.values())) < self.MAX:
+                    self.ready.setdefault(t, []).append(self._start(t))
+
+    def reap(self) -> None:
+        with self.lock:
+            self.lent = [p for p in self.lent if p.poll() is None]
+
+    @staticmethod
+    def _close(p: subprocess.Popen) -> None:
+        for f in (p.stdin, p.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            p.kill()
+            p.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+    def close(self) -> None:
+        with self.lock:
+            for p in [q for v in self.ready.values() for q in v] + self.lent:
+                if p.poll() is None and p in self.lent:
+                    continue  # a borrower's: it stops it
+                self._close(p)
+            self.ready = {}
 
 
 def serve(path: Path, project: Path, idle_s: float) -> None:

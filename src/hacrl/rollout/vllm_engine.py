@@ -201,7 +201,7 @@ class VLLMEngine:
                  log_path: str | Path | None = None, timeout_s: float = 600.0,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  env: dict[str, str] | None = None, max_num_batched_tokens: int = 0, sleep_mode: bool = False,
-                 host: str | Path | None = None, agent: str = "", weights_id: str = ""):
+                 host: str | Path | None = None, agent: str = "", weights_id: str = "", host_idle_s: float = 900.0):
         self.tokenizer = tokenizer
         settings = VLLMProcess.settings_of(python, max_model_len, dtype, seed, threads, kv_cache_gib, timeout_s,
                                            gpu_memory_utilization, tensor_parallel_size, env,
@@ -209,7 +209,7 @@ class VLLMEngine:
         if host is not None:
             from hacrl.rollout.engine_host import HostedProcess
 
-            self.proc = HostedProcess(host, agent, model_dir, weights_id, settings)
+            self.proc = HostedProcess(host, agent, model_dir, weights_id, settings, host_idle_s)
         else:
             if not Path(settings["python"]).exists():
                 raise EngineError(f"rollout.engine=vllm: no vLLM environment at {python} (run `make setup-vllm`)")
@@ -228,7 +228,8 @@ class VLLMEngine:
                    timeout_s=s.vllm_timeout_s, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
                    tensor_parallel_size=request.tensor_parallel_size, env=request.env,
                    max_num_batched_tokens=request.max_batch_tokens, sleep_mode=request.sleep_mode,
-                   host=request.host, agent=request.agent, weights_id=request.weights_id)
+                   host=request.host, agent=request.agent, weights_id=request.weights_id,
+                   host_idle_s=request.host_idle_s)
 
     def __enter__(self):
         return self

@@ -222,14 +222,69 @@ def worker_main() -> None:
 WORKER_CODE = "from hacrl.task.rewards import worker_main; worker_main()"
 
 
+def worker_command(timeout_s: float, code: str = WORKER_CODE) -> list[str]:
+    """How a verifier process is started (here, or ahead of time by the engine host)."""
+    return [sys.executable, "-c", code, str(timeout_s)]
+
+
+def worker_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+class _LentProcess:
+    """A verifier process another process started (the engine host) and handed over: its pid and
+    the two ends of its pipes. What :class:`_Worker` uses of ``subprocess.Popen``, through a
+    pidfd (it is not this process's child: the host reaps it)."""
+
+    def __init__(self, pid: int, stdin_fd: int, stdout_fd: int):
+        self.pid = pid
+        self.stdin = os.fdopen(stdin_fd, "wb")
+        self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
+        self.returncode: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            self._pidfd = None
+            self.returncode = -1
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            self.returncode = -1  # exited (its status is the host's to collect)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import select
+
+        if self.returncode is None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("verifier", timeout)
+        self.returncode = -1 if self.returncode is None else self.returncode
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return self.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class _Worker:
     """One verifier subprocess (independent of the caller's ``__main__``, killable at once) and
     the answers sent to it that it has not answered yet, oldest (the one in progress) first."""
 
-    def __init__(self, timeout_s: float, code: str, announces_ready: bool):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(timeout_s)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    def __init__(self, timeout_s: float, code: str, announces_ready: bool, lease=None):
+        lent = lease.lend(timeout_s) if lease is not None and code == WORKER_CODE else None
+        if lent is not None:  # started (and math-verify imported) ahead of time by the engine host
+            self.proc = _LentProcess(*lent)
+        else:
+            self.proc = subprocess.Popen(worker_command(timeout_s, code), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env=worker_env())
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.pending: deque[tuple[int, int]] = deque()  # (key, bytes sent)
@@ -288,8 +343,12 @@ class VerifierPool:
 
     def __init__(self, workers: int = 2, timeout_s: float = 5.0, worker_code: str = WORKER_CODE,
                  depth: int = PIPELINE_DEPTH, announces_ready: bool | None = None,
-                 fast_path: bool | None = None):
+                 fast_path: bool | None = None, lease=None):
         self.worker_code = worker_code
+        self.lease = lease
+        """Where workers come from ready-made (``lease.lend(timeout_s)`` -> ``(pid, stdin_fd,
+        stdout_fd)`` or None; ``lease.close()`` at exit): the engine host's stock, so a stage
+        pays no math-verify import. None, or a refusal: started here."""
         self.fast_path = worker_code == WORKER_CODE if fast_path is None else fast_path
         self.fast = 0
         """Distinct answers settled by :func:`fast_verdict`."""
@@ -305,7 +364,7 @@ class VerifierPool:
         """Answers sent back to the queue because the worker they waited in was killed or died."""
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.timeout_s, self.worker_code, self.announces_ready)
+        return _Worker(self.timeout_s, self.worker_code, self.announces_ready, self.lease)
 
     def __enter__(self) -> "VerifierPool":
         return self
@@ -333,6 +392,8 @@ class VerifierPool:
             except subprocess.TimeoutExpired:
                 w.kill()
         self.workers, self._runs = [], []
+        if self.lease is not None:
+            self.lease.close()
 
     def verify(self, pairs: list[tuple[str, str]], desc: str = "verify") -> list[str]:
         """Verdicts for ``(gold, response)`` pairs, in order."""

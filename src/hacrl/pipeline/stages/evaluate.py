@@ -13,7 +13,7 @@ from hacrl.agents.warmup import accuracy, greedy_accuracy, greedy_answers
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records
 from hacrl.pipeline.common import layout, resource_plan, set_threads, split
-from hacrl.pipeline.engines import place
+from hacrl.pipeline.engines import place, verifier_lease
 from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.rl.algorithms import LOSSES
 from hacrl.storage import read_json, write_json
@@ -61,7 +61,8 @@ def evaluate(cfg: Config, t: int) -> StageResult:
     metrics: dict = {"iteration": t, "agents": {}}
     # an agent's answers are checked (in the verifier's processes, driven from a thread) while the
     # next agent generates: checking costs about as much as generating here
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver, ThreadPoolExecutor(1) as checks:
+    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path,
+                      lease=verifier_lease(cfg)) as ver, ThreadPoolExecutor(1) as checks:
         serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
         pending, extra = {}, {}
         for ac in cfg.agents:

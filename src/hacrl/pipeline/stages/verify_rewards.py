@@ -9,6 +9,7 @@ import pandas as pd
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.pipeline.common import layout
+from hacrl.pipeline.engines import verifier_lease
 from hacrl.pipeline.result import StageResult
 from hacrl.storage import atomic_path
 from hacrl.task.rewards import VERDICTS, VerifierPool, reward_of
@@ -21,7 +22,8 @@ def verify_rewards(cfg: Config, t: int) -> StageResult:
     lay = layout(cfg)
     stats = {}
     with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
-            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as pool:
+            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path,
+                         lease=verifier_lease(cfg)) as pool:
         shards = {ac.name: read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout") for ac in cfg.agents}
         # one call for the whole pool: no worker idles at the end of each agent's answers, and
         # an answer two agents both gave is checked once
