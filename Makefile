@@ -12,6 +12,7 @@ PYTEST_ARGS ?=
 .PHONY: setup check-venv setup-vllm setup-bench bench run test test-slow test-all params clean-runs serve stop iterate
 
 setup: check-venv $(STAMP)
+	@$(BIN)/python scripts/dvc_link_type.py
 
 # a .venv copied from another checkout would run that checkout's code: say so and stop
 check-venv:

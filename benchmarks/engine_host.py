@@ -1,0 +1,243 @@
+"""Engines that outlive stages, and checkpoint I/O, measured in one run on this host.
+
+The SmolLM2 pool (``agents=smollm2_mix experiment=smollm2``: SmolLM2-135M-Instruct beside an
+embedded qwen2) in scratch git + DVC workspaces, the project's DVC cache links:
+
+1. ``dvc repro`` iteration by iteration with ``rollout=hf`` (iterations 1-2) and with
+   ``rollout=vllm`` (iterations 1-3; iteration 1 starts the engine host's workers, 2-3 are the
+   steady state): wall seconds per iteration, each stage's own seconds (its log), and what is
+   left for DVC and process starts;
+2. the bare transformers loop on the same work as each vLLM generate-rollouts stage: the same
+   prompts, samples, sampling and checkpoints, ``HFEngine.generate`` in this process (load and
+   imports not timed);
+3. ``prefect deployment run hacrl/iterate --watch`` of the last vLLM iteration (forced) against
+   its ``dvc repro`` (``hacrl serve`` started once, not timed);
+4. checkpoint I/O against size: ``save_pretrained`` (safetensors), DVC's hash (md5), and
+   ``dvc commit`` into the cache with links and with copies, for the embedded agent,
+   SmolLM2-135M (fp32 and bf16) and a 270M-parameter llama (fp32), with per-GB rates.
+
+Writes ``reports/bench/engine_host.json`` and ``.md``. Needs ``make setup-vllm``.
+Usage: ``.venv/bin/python benchmarks/engine_host.py [--workdir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+ITEMS = ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignore", ".dvcignore", "pyproject.toml")
+POOL = ["agents=smollm2_mix", "experiment=smollm2", "tracking.enabled=false"]
+GB = 1024 ** 3
+
+
+def _env(ws: Path) -> dict:
+    from hacrl.ops.services import client_env
+
+    env = client_env(ws, {k: v for k, v in os.environ.items() if not k.startswith("HACRL_")})
+    env["HACRL_LOG_LEVEL"] = "INFO"
+    return env
+
+
+def _run(ws: Path, *args: str) -> str:
+    p = subprocess.run(list(args), cwd=ws, env=_env(ws), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    return p.stdout + p.stderr
+
+
+def _dvc(ws: Path, *args: str) -> str:
+    return _run(ws, sys.executable, "-m", "dvc", *args)
+
+
+def workspace(ws: Path, engine: str, iterations: int) -> None:
+    ws.mkdir(parents=True)
+    for item in ITEMS:
+        src = PROJECT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, ws / item, **(
+            {"ignore": shutil.ignore_patterns("__pycache__", "*.egg-info")} if src.is_dir() else {}))
+    os.symlink(PROJECT / ".venv-vllm", ws / ".venv-vllm")
+    os.symlink(PROJECT / "models", ws / "models")  # the converted SmolLM2 (an external input)
+    _run(ws, "git", "init", "-q")
+    _dvc(ws, "init", "-q")
+    shutil.copy(PROJECT / ".dvc" / "config", ws / ".dvc" / "config")
+    _run(ws, sys.executable, "-m", "hacrl.cli", "config", *POOL, f"rollout.engine={engine}",
+         f"experiment.iterations={iterations}")
+
+
+STAGE_DONE = re.compile(r"stage (\S+) \(iteration (\d+)\) finished in ([0-9.]+)s")
+ROLLOUTS = re.compile(r"rollouts (\S+): (\{.*\})")
+
+
+def iteration(ws: Path, t: int, force: bool = False) -> dict:
+    """``dvc repro evaluate@itT`` (iteration t's stages): wall, each stage's own seconds."""
+    from hacrl.pipeline.table import iteration_stages, stage_id
+
+    t0 = time.perf_counter()
+    if force:
+        out = "".join(_dvc(ws, "repro", "--force", "--single-item", stage_id(s, t)) for s in iteration_stages())
+    else:
+        out = _dvc(ws, "repro", f"evaluate@it{t}")
+    wall = time.perf_counter() - t0
+    stages = {m.group(1): float(m.group(3)) for m in STAGE_DONE.finditer(out) if int(m.group(2)) == t}
+    rollouts = {}
+    for m in ROLLOUTS.finditer(out):
+        try:
+            rollouts[m.group(1)] = eval(m.group(2), {"__builtins__": {}}, {"nan": float("nan")})  # noqa: S307 - our own log line
+        except SyntaxError:
+            pass
+    return {"wall_s": round(wall, 1), "stages_s": stages, "in_stages_s": round(sum(stages.values()), 1),
+            "outside_stages_s": round(wall - sum(stages.values()), 1), "rollouts": rollouts}
+
+
+def bare_rollouts(ws: Path, t: int) -> dict:
+    """The generate-rollouts stage's work at iteration t with transformers ``generate`` here."""
+    from hacrl.agents.pool import load_agent
+    from hacrl.pipeline import params
+    from hacrl.pipeline.common import hash_seed, set_threads, split
+    from hacrl.rollout.engine import SamplingParams
+    from hacrl.rollout.hf import HFEngine
+    from hacrl.storage import RunLayout
+    from hacrl.task import data as task_data
+
+    here = Path.cwd()
+    os.chdir(ws)
+    try:
+        cfg = params.load(ws / "params.yaml")
+        set_threads(cfg)
+        r = cfg.rollout
+        prompts = task_data.prompts_for_iteration(split(cfg, "train"), r.prompts_per_iteration, cfg.experiment.seed, t)
+        out = {}
+        for ac in cfg.agents:
+            agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(t - 1, ac.name), cfg.trainer.dtype)
+            eng = HFEngine(agent.model, agent.tokenizer, r.batch_size)
+            sp = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                max_new_tokens=r.max_new_tokens, seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
+            t0 = time.perf_counter()
+            comps = eng.generate([agent.render(p["problem"]) for p in prompts], sp)
+            out[ac.name] = {"generate_s": round(time.perf_counter() - t0, 2),
+                            "tokens": sum(len(c.token_ids) for c in comps), "samples": len(comps)}
+        out["generate_s"] = round(sum(v["generate_s"] for v in out.values()), 2)
+        return out
+    finally:
+        os.chdir(here)
+
+
+def prefect_iteration(ws: Path, t: int) -> float:
+    from hacrl.ops.services import serve, stop
+
+    serve(ws, 0, 0, gpu_workers=0, mlflow_ui=False)
+    try:
+        t0 = time.perf_counter()
+        _run(ws, "prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
+             "--param", f"iteration={t}", "--param", "force=true")
+        return round(time.perf_counter() - t0, 1)
+    finally:
+        stop(ws)
+
+
+def checkpoint_io(work: Path) -> list[dict]:
+    """Save, hash and cache (link vs copy) per checkpoint size."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from hacrl.hashes import dvc_hash
+    from hacrl.storage import atomic_path
+
+    smol = PROJECT / "models" / "SmolLM2-135M-Instruct"
+    emb = next((PROJECT / "runs" / "it0" / "checkpoints").iterdir(), None)
+    cases = []
+    if emb is not None:
+        cases.append(("embedded (" + emb.name + ")", lambda: AutoModelForCausalLM.from_pretrained(emb, dtype=torch.float32)))
+    cases += [("SmolLM2-135M fp32", lambda: AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32)),
+              ("SmolLM2-135M bf16", lambda: AutoModelForCausalLM.from_pretrained(smol, dtype=torch.bfloat16)),
+              ("llama-270M fp32", lambda: LlamaForCausalLM(LlamaConfig(
+                  vocab_size=49152, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)))]
+    rows = []
+    for name, make in cases:
+        model = make()
+        row = {"checkpoint": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
+        for mode in ("hardlink", "copy"):
+            repo = work / f"io-{mode}"
+            shutil.rmtree(repo, ignore_errors=True)
+            repo.mkdir(parents=True)
+            _run(repo, "git", "init", "-q")
+            _dvc(repo, "init", "-q")
+            _dvc(repo, "config", "cache.type", "hardlink,copy" if mode == "hardlink" else "copy")
+            d = repo / "ckpt"
+            t0 = time.perf_counter()
+            with atomic_path(d, is_dir=True) as tmp:
+                model.save_pretrained(tmp)
+            save_s = time.perf_counter() - t0
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            os.sync()
+            t0 = time.perf_counter()
+            dvc_hash(d)
+            hash_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _dvc(repo, "add", "-q", "ckpt")
+            add_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            AutoModelForCausalLM.from_pretrained(d)
+            load_s = time.perf_counter() - t0
+            links = os.stat(next(d.glob("*.safetensors"))).st_nlink
+            row.update({"bytes": size, "gb": round(size / GB, 3), "save_s": round(save_s, 2),
+                        "md5_s": round(hash_s, 2), "load_s": round(load_s, 2),
+                        f"dvc_add_{mode}_s": round(add_s, 2), f"nlink_{mode}": links})
+            shutil.rmtree(repo, ignore_errors=True)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir")
+    ap.add_argument("--skip-prefect", action="store_true")
+    a = ap.parse_args()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="hacrl-engines-"))
+    t_all = time.time()
+    res: dict = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+
+    res["checkpoint_io"] = checkpoint_io(work)
+
+    hf, vl = work / "hf", work / "vllm"
+    workspace(hf, "hf", 2)
+    prep0 = time.perf_counter()
+    _dvc(hf, "repro", "evaluate-warmup")
+    res["prepare_s"] = round(time.perf_counter() - prep0, 1)
+    # the vLLM workspace starts from the same prepared iteration 0 (DVC's cache and lock copied)
+    shutil.copytree(hf, vl, symlinks=True)
+    _run(vl, sys.executable, "-m", "hacrl.cli", "config", *POOL, "rollout.engine=vllm", "experiment.iterations=3")
+    res["hf"] = {t: iteration(hf, t) for t in (1, 2)}
+    print("hf", json.dumps(res["hf"], default=str)[:2000], flush=True)
+    res["vllm"] = {t: iteration(vl, t) for t in (1, 2, 3)}
+    print("vllm", json.dumps(res["vllm"], default=str)[:2000], flush=True)
+    res["bare_rollouts"] = {t: bare_rollouts(vl, t) for t in (2, 3)}
+    print("bare", res["bare_rollouts"], flush=True)
+    if not a.skip_prefect:
+        res["prefect_it3_s"] = prefect_iteration(vl, 3)
+        res["dvc_it3_forced"] = iteration(vl, 3, force=True)
+    from hacrl.rollout import engine_host
+
+    for ws in (hf, vl):
+        engine_host.stop(ws)
+    res["wall_s"] = round(time.time() - t_all, 1)
+    out = PROJECT / "reports" / "bench" / "engine_host.json"
+    from hacrl.storage import write_json
+
+    write_json(out, res)
+    print(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
