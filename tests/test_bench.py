@@ -69,7 +69,10 @@ def test_update_suite_compares_the_stage_with_trl(tmp_path):
 def test_evaluate_suite(tmp_path):
     res = _bench("evaluate", tmp_path)
     n = res["work"]["heldout"] * len(res["work"]["agents"].split(", "))
-    assert res["contenders"]["stage"]["units"] == res["contenders"]["bare_generate"]["units"] == n
+    c = res["contenders"]
+    assert c["stage"]["units"] == c["stage_hosted"]["units"] == c["bare_generate"]["units"] == n
+    # the same answers whether the verifier workers are the stage's own or the engine host's
+    assert c["stage_hosted"]["extra"]["accuracy"] == c["stage"]["extra"]["accuracy"]
 
 
 def test_align_suite_covers_every_pair_of_different_tokenizers(tmp_path):

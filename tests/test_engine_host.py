@@ -132,6 +132,9 @@ def test_engines_outlive_stages_follow_the_checkpoint_and_survive_a_killed_host(
     _dvc(ws, "repro", STAGE)
     assert sorted(_sessions(_host_log(ws))) == [("qwen2-embedded", "start"), ("smollm2-135m", "start")]
     first = _rollouts_md5(ws)
+    # the project's cache links (.dvc/config): outputs are linked into the cache, not copied
+    for f in [*(ws / "runs" / "it1" / "rollouts").iterdir(), *(ws / "runs" / "it0" / "checkpoints").rglob("*.safetensors")]:
+        assert f.stat().st_nlink == 2, f
     _dvc(ws, "repro", "--force", "--single-item", STAGE)
     assert sorted(_sessions(_host_log(ws))[2:]) == [("qwen2-embedded", "reuse"), ("smollm2-135m", "reuse")]
     assert _rollouts_md5(ws) == first
@@ -180,3 +183,11 @@ def test_engines_outlive_stages_follow_the_checkpoint_and_survive_a_killed_host(
     while old_workers & set(_workers()) and time.time() < deadline:
         time.sleep(0.5)
     assert not old_workers & set(_workers()), "the killed host's vLLM workers outlived it"
+    # nothing wrote through a link into DVC's cache: the cached copies still have their hashes
+    from hacrl.hashes import dvc_hash
+
+    _dvc(ws, "checkout", "--force", "runs/it1/rollouts", "runs/it0/checkpoints")
+    assert dvc_hash(ws / "runs" / "it1" / "rollouts") == edited
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["prepare-pool"]["outs"]
+    ckpts = next(o["md5"] for o in lock if o["path"].endswith("checkpoints"))
+    assert dvc_hash(ws / "runs" / "it0" / "checkpoints") == ckpts

@@ -143,5 +143,6 @@ def release_engine(cfg: Config, live: dict | None, rel: Release) -> None:
     if rel.action == "sleep" and engine_spec(cfg.rollout.engine).can_sleep:
         live[rel.agent].sleep()
     else:
-        live.pop(rel.agent).close()
+        engine = live.pop(rel.agent)
+        getattr(engine, "stop", engine.close)()  # a hosted engine's worker stops too, not only its session
     log.info("engine of %s: %s (frees %s)", rel.agent, rel.action, ", ".join(rel.devices))

@@ -30,7 +30,9 @@ What keeps it safe:
 Protocol: a Unix stream socket, one JSON object per line. A session opens with
 ``{"open": {"agent", "model_dir", "weights", "settings"}}`` (reply: ``{"ok", "mode", "seconds",
 "startup_s"}``), then sends ``{"call": REQUEST}`` (the worker's protocol,
-:mod:`hacrl.rollout.vllm_worker`), ``{"sleep": true}``, and ends by closing the connection. A
+:mod:`hacrl.rollout.vllm_worker`), ``{"sleep": true}`` (an MWRA release: vLLM sleep mode where the
+worker has it, else a stop), ``{"release": true}`` (stop the worker), and ends by closing the
+connection. ``{"lend": {"timeout_s"}}`` hands over a verifier worker (:class:`VerifierLease`). A
 connection may instead send ``{"status": true}`` (the engines) or ``{"stop": true}``.
 
 This module is the client (what a stage and ``hacrl stop`` use);
@@ -323,6 +325,15 @@ class HostedProcess:
         if self.conn is None:
             self._open()
         self.asleep = False  # the host wakes a sleeping worker at the next request
+
+    def stop(self) -> None:
+        """Stop the host's worker for this agent (frees its device), then end the session."""
+        if self.conn is not None:
+            try:
+                self.conn.ask({"release": True})
+            except ConnectionError:
+                pass
+        self.close()
 
     def close(self, force: bool = False) -> None:
         """End the session; the host keeps the worker."""

@@ -137,8 +137,8 @@ class Host:
             return {"ok": True, "pid": os.getpid()}
         if "status" in msg:
             with self.lock:
-                return {"ok": True, "pid": os.getpid(),
-                        "engines": [e.describe() for e in self.engines.values() if e.proc is not None]}
+                engines = [e.describe() for e in self.engines.values() if e.proc is not None]
+            return {"ok": True, "pid": os.getpid(), "engines": engines, **self.verifiers.counts()}
         if "stop" in msg:
             return {"ok": True}
         if "open" in msg:
@@ -160,13 +160,18 @@ class Host:
             return eng, {"ok": True, **out}
         if held is None or held.proc is None:
             return {"ok": False, "retry": True, "error": "engine host: no engine open in this session"}
-        if "sleep" in msg:
+        if "sleep" in msg:  # vLLM sleep mode where the worker was started with it, else a stop
             try:
                 held.proc.sleep()
+                if not held.proc.alive:
+                    held.close()
                 return {"ok": True}
             except EngineError as e:
                 held.close()
                 return {"ok": False, "error": str(e)}
+        if "release" in msg:
+            held.close()
+            return {"ok": True}
         if "call" in msg:
             try:
                 if held.proc.asleep:
@@ -258,6 +263,16 @@ class _VerifierStock:
     def reap(self) -> None:
         with self.lock:
             self.lent = [p for p in self.lent if p.poll() is None]
+
+    def counts(self) -> dict:
+        """Stocked workers, and how many have finished their import (their ready line waits
+        unread in their pipe, for the borrower)."""
+        import select
+
+        with self.lock:
+            stock = [p for v in self.ready.values() for p in v if p.poll() is None]
+            ready = sum(bool(select.select([p.stdout], [], [], 0)[0]) for p in stock)
+        return {"verifiers_stocked": len(stock), "verifiers_ready": ready}
 
     @staticmethod
     def _close(p: subprocess.Popen) -> None:

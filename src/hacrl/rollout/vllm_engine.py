@@ -238,7 +238,12 @@ class VLLMEngine:
         self.close()
 
     def close(self) -> None:
+        """Stop the worker (or end the session with the engine host, which keeps it)."""
         self.proc.close()
+
+    def stop(self) -> None:
+        """Stop the worker, the engine host's included (an MWRA release that frees the device)."""
+        getattr(self.proc, "stop", self.proc.close)()
 
     def sleep(self) -> None:
         self.proc.sleep()

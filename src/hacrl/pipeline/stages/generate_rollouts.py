@@ -58,7 +58,9 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
                 try:
                     comps = engine.generate(rendered, params)
                 finally:
-                    if live is None or not spec.keeps_alive:
+                    if getattr(engine, "sync", None) is not None:
+                        held[ac.name] = engine  # the engine host's: the plan's releases apply to it
+                    elif live is None or not spec.keeps_alive:
                         engine.close()  # a stage's own engine stops with the agent's rollouts
                 gen_s = time.time() - t1
             write_records(tmp / f"{ac.name}.parquet",
@@ -75,7 +77,13 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
             log.info("rollouts %s: %s", ac.name, st)
             return st
 
-        done = run_stage(rplan, "rollout", job, release=lambda rel: release_engine(cfg, live, rel))
+        held: dict = {}  # sessions with the engine host, until a release or the stage's end
+        try:
+            done = run_stage(rplan, "rollout", job,
+                             release=lambda rel: release_engine(cfg, held if rel.agent in held else live, rel))
+        finally:
+            for engine in held.values():
+                engine.close()  # the session ends; the host keeps the worker (asleep if released)
     return StageResult({a.name: done[a.name] for a in cfg.agents},
                        agents={a.name: numbers(done[a.name], "rollout_") for a in cfg.agents})
 

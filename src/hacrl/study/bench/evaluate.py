@@ -2,7 +2,9 @@
 
 Both load every agent's checkpoint and generate greedily for the held-out prompts in the
 stage's batch size; the stage also checks each answer with math-verify and writes the metrics
-and history. Units: held-out answers (agents x problems).
+and history. ``stage_hosted`` is the stage as ``hacrl stage`` runs it under ``dvc repro`` and
+Prefect: its verifier workers come from the engine host, started between stages. Units:
+held-out answers (agents x problems).
 """
 
 from __future__ import annotations
@@ -55,10 +57,44 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
             return {"units": sum(a["eval_n"] for a in m["agents"].values()),
                     "accuracy": {k: round(a["eval_accuracy"], 4) for k, a in m["agents"].items()}}
 
-        measured = compare([Contender("stage", stage, "evaluate: greedy generate + math-verify + metrics"),
-                            Contender("bare_generate", lambda: bare_greedy(cfg, 0),
-                                      "transformers greedy generate, same batches, no checking")], reps)
+        def hosted() -> dict:
+            from hacrl.pipeline.engines import serve_from_host
+
+            serve_from_host(True)  # as a stage process under dvc repro or Prefect runs it
+            try:
+                return stage()
+            finally:
+                serve_from_host(False)
+
+        def settled() -> None:
+            """Untimed: wait until the host's restocked verifier workers finished their imports
+            (under dvc repro they import during the stages between two evaluations), so that no
+            contender is timed beside them."""
+            import time
+
+            from hacrl.rollout import engine_host
+
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                st = engine_host.status(Path.cwd()) or {}
+                if st.get("verifiers_ready", 0) >= st.get("verifiers_stocked", 0):
+                    return
+                time.sleep(0.1)
+
+        try:
+            measured = compare([Contender("stage", lambda _: stage(), "evaluate: greedy generate + math-verify + "
+                                          "metrics", setup=settled),
+                                Contender("stage_hosted", lambda _: hosted(), "the same, verifier workers from "
+                                          "the engine host (as under dvc repro / Prefect)", setup=settled),
+                                Contender("bare_generate", lambda _: bare_greedy(cfg, 0),
+                                          "transformers greedy generate, same batches, no checking",
+                                          setup=settled)], reps)
+        finally:
+            from hacrl.rollout import engine_host
+
+            engine_host.stop(Path.cwd())
         work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(split(cfg, "heldout")),
                 "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
                 "verifier_workers": cfg.reward.workers}
-    return SuiteResult("evaluate", "answers", work, measured, [Goal("stage", "bare_generate", 0.9)])
+    return SuiteResult("evaluate", "answers", work, measured, [Goal("stage", "bare_generate", 0.9),
+                                                               Goal("stage_hosted", "bare_generate", 0.9)])
