@@ -4,6 +4,7 @@ its exit code, iteration planning errors, MLflow names and DVC hashes."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -227,3 +228,17 @@ def test_the_planner_names_outputs_changed_on_disk(dvc_repo):
     assert changed_outputs(dvc_status(dvc_repo)) == {"ok": {"out.txt": "modified"}}
     assert run_dvc_stage(dvc_repo, "ok") in ("ran", "restored")
     assert changed_outputs(dvc_status(dvc_repo)) == {}
+
+
+def test_dvc_subprocesses_do_not_inherit_the_project_on_pythonpath(tmp_path, monkeypatch):
+    """Prefect's process worker puts the deployment's directory on PYTHONPATH; a stage process
+    with it would not share the warm stage server of a shell's `dvc repro` (its key includes
+    PYTHON*), so each flow run's first stage waited for a server of its own."""
+    from hacrl.ops.orchestration import dvc_env
+
+    other = tmp_path / "plugins"
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{other}")
+    assert dvc_env(project=tmp_path)["PYTHONPATH"] == str(other)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert "PYTHONPATH" not in dvc_env(project=tmp_path)
+    assert dvc_env()["PYTHONPATH"] == str(tmp_path)  # no project named: as it was

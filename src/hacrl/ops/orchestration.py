@@ -124,18 +124,31 @@ def extend_to(project: Path, n: int) -> dict:
     return data
 
 
-def dvc_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a DVC subprocess: this interpreter's bin first (``hacrl`` and ``dvc``)."""
+def dvc_env(extra: dict[str, str] | None = None, project: Path | None = None) -> dict[str, str]:
+    """The environment of a DVC subprocess: this interpreter's bin first (``hacrl`` and ``dvc``).
+
+    ``project``'s own directory is taken off ``PYTHONPATH``: Prefect's process worker puts the
+    deployment's directory there for the flow, which imports its modules by path anyway, and
+    a stage process with it would not match the warm stage server (and engine processes) that
+    ``dvc repro`` from a shell uses: measured, the first stage of every flow run then waited for
+    a stage server of its own to import everything."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if project is not None and env.get("PYTHONPATH"):
+        here = Path(project).resolve()
+        kept = [p for p in env["PYTHONPATH"].split(os.pathsep) if p and Path(p).resolve() != here]
+        if kept:
+            env["PYTHONPATH"] = os.pathsep.join(kept)
+        else:
+            env.pop("PYTHONPATH")
     env.update(extra or {})
     return env
 
 
 def dvc_status(project: Path) -> dict:
     """``dvc status --json``: stage -> what changed (deps, outs, params)."""
-    p = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project, env=dvc_env(),
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project,
+                       env=dvc_env(project=project), capture_output=True, text=True)
     if p.returncode != 0:
         raise StageFailed("dvc status", p.returncode, (p.stdout + p.stderr)[-3000:])
     out = p.stdout.strip()
@@ -296,7 +309,7 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
     stage's exit code (parsed from DVC's message) and the last lines.
     """
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
-    proc = subprocess.Popen(cmd, cwd=project, env=dvc_env(env), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=project, env=dvc_env(env, project), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
     assert proc.stdout is not None
