@@ -137,3 +137,34 @@ def test_the_report_stage_resolves_params_in_its_paths(tmp_path):
     (ws / "dvc.lock").write_text(yaml.safe_dump(lock))
     (ws / "params.yaml").write_text("experiment: {iterations: 1}\n")
     assert verify(ws, "report") == ["runs/it1/checkpoints"]  # the trailing slash normalised too
+
+
+def test_outputs_dvc_hashed_are_not_read_again_but_an_edit_is(tmp_path, monkeypatch):
+    """The input check takes a file's md5 from DVC's own state (recorded when DVC hashed it, by
+    inode, mtime and size) rather than read it again; a file edited since is hashed afresh."""
+    import subprocess
+    import sys
+    import time
+
+    import hacrl.hashes as hashes
+
+    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "weights.bin").write_bytes(b"w" * 100_000)
+    (d / "config.json").write_text("{}")
+    subprocess.run([sys.executable, "-m", "dvc", "add", "-q", "ckpt"], cwd=tmp_path, check=True)
+    expected = dvc_hash(d)
+
+    read = []
+    real = hashes.file_md5
+    monkeypatch.setattr(hashes, "file_md5", lambda p: read.append(p.name) or real(p))
+    assert hashes.cached_dvc_hash(tmp_path, d) == expected
+    assert read == [], "files DVC had just hashed were read again"
+
+    time.sleep(0.01)
+    with open(d / "weights.bin", "r+b") as f:  # in place: another mtime, same size
+        f.write(b"x")
+    assert hashes.cached_dvc_hash(tmp_path, d) != expected
+    assert read == ["weights.bin"]
