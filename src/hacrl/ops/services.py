@@ -71,7 +71,8 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_API_HOST": HOST,
         "PREFECT_SERVER_API_PORT": str(prefect_port),
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        # a flow run waits for the next poll before it starts: half a second on average
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
         # the server streams flow-run logs to clients: `prefect deployment run --watch` shows the
         # stage lines and the one-line failure, not only state changes
         "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
