@@ -8,8 +8,8 @@ embedded qwen2) in scratch git + DVC workspaces, the project's DVC cache links:
    steady state): wall seconds per iteration, each stage's own seconds (its log), and what is
    left for DVC and process starts;
 2. the bare transformers loop on the same work as each vLLM generate-rollouts stage: the same
-   prompts, samples, sampling and checkpoints, ``HFEngine.generate`` in this process (load and
-   imports not timed);
+   prompts, samples, sampling and checkpoints, ``hacrl bench rollout``'s bare loop in this
+   process (load, left-pad, ``generate``, decode; imports not timed);
 3. ``prefect deployment run hacrl/iterate --watch`` of the last vLLM iteration (forced) against
    its ``dvc repro`` (``hacrl serve`` started once, not timed);
 4. checkpoint I/O against size: ``save_pretrained`` (safetensors), DVC's hash (md5), and
@@ -23,6 +23,7 @@ Usage: ``.venv/bin/python benchmarks/engine_host.py [--workdir DIR]``.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -91,42 +92,28 @@ def iteration(ws: Path, t: int, force: bool = False) -> dict:
     rollouts = {}
     for m in ROLLOUTS.finditer(out):
         try:
-            rollouts[m.group(1)] = eval(m.group(2), {"__builtins__": {}}, {"nan": float("nan")})  # noqa: S307 - our own log line
-        except SyntaxError:
+            rollouts[m.group(1)] = ast.literal_eval(m.group(2))
+        except (SyntaxError, ValueError):  # a figure literal_eval cannot read (nan): left out
             pass
     return {"wall_s": round(wall, 1), "stages_s": stages, "in_stages_s": round(sum(stages.values()), 1),
             "outside_stages_s": round(wall - sum(stages.values()), 1), "rollouts": rollouts}
 
 
 def bare_rollouts(ws: Path, t: int) -> dict:
-    """The generate-rollouts stage's work at iteration t with transformers ``generate`` here."""
-    from hacrl.agents.pool import load_agent
+    """The generate-rollouts stage's work at iteration t as a user would write it with
+    transformers (``hacrl bench rollout``'s bare loop: load, left-pad, ``generate``, decode)."""
     from hacrl.pipeline import params
-    from hacrl.pipeline.common import hash_seed, set_threads, split
-    from hacrl.rollout.engine import SamplingParams
-    from hacrl.rollout.hf import HFEngine
-    from hacrl.storage import RunLayout
-    from hacrl.task import data as task_data
+    from hacrl.pipeline.common import set_threads
+    from hacrl.study.bench.rollout import bare_generate
 
     here = Path.cwd()
     os.chdir(ws)
     try:
         cfg = params.load(ws / "params.yaml")
         set_threads(cfg)
-        r = cfg.rollout
-        prompts = task_data.prompts_for_iteration(split(cfg, "train"), r.prompts_per_iteration, cfg.experiment.seed, t)
-        out = {}
-        for ac in cfg.agents:
-            agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(t - 1, ac.name), cfg.trainer.dtype)
-            eng = HFEngine(agent.model, agent.tokenizer, r.batch_size)
-            sp = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                max_new_tokens=r.max_new_tokens, seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
-            t0 = time.perf_counter()
-            comps = eng.generate([agent.render(p["problem"]) for p in prompts], sp)
-            out[ac.name] = {"generate_s": round(time.perf_counter() - t0, 2),
-                            "tokens": sum(len(c.token_ids) for c in comps), "samples": len(comps)}
-        out["generate_s"] = round(sum(v["generate_s"] for v in out.values()), 2)
-        return out
+        t0 = time.perf_counter()
+        tokens = bare_generate(cfg, t)
+        return {"generate_s": round(time.perf_counter() - t0, 2), "tokens": tokens}
     finally:
         os.chdir(here)
 
@@ -202,13 +189,22 @@ def checkpoint_io(work: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir")
-    ap.add_argument("--skip-prefect", action="store_true")
+    ap.add_argument("--skip-prefect", action="store_true", help="keep the last run's Prefect figures")
+    ap.add_argument("--skip-io", action="store_true", help="keep the last run's checkpoint I/O figures")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hacrl-engines-"))
     t_all = time.time()
+    out = PROJECT / "reports" / "bench" / "engine_host.json"
     res: dict = {"host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    if a.skip_io or a.skip_prefect:  # the skipped parts keep their figures of the last full run
+        from hacrl.storage import read_json
 
-    res["checkpoint_io"] = checkpoint_io(work)
+        last = read_json(out) if out.exists() else {}
+        for k in ("checkpoint_io",) * a.skip_io + ("prefect_it3_s", "dvc_it3_forced") * a.skip_prefect:
+            if k in last:
+                res[k] = last[k]
+    if not a.skip_io:
+        res["checkpoint_io"] = checkpoint_io(work)
 
     hf, vl = work / "hf", work / "vllm"
     workspace(hf, "hf", 2)
@@ -232,7 +228,6 @@ def main() -> None:
     for ws in (hf, vl):
         engine_host.stop(ws)
     res["wall_s"] = round(time.time() - t_all, 1)
-    out = PROJECT / "reports" / "bench" / "engine_host.json"
     from hacrl.storage import write_json
 
     write_json(out, res)

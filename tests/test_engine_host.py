@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import dvc_workspace
 from hacrl.pipeline.engines import vllm_python
 from hacrl.rollout import engine_host
 
@@ -111,16 +112,8 @@ def ws(tmp_path):
         if os.environ.get("HACRL_REQUIRE_VLLM") == "1":
             pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")
         pytest.skip("no vLLM environment (make setup-vllm)")
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for item in ITEMS:
-        src = PROJECT / item
-        if src.exists():
-            (shutil.copytree if src.is_dir() else shutil.copy)(src, ws / item, **(
-                {"ignore": shutil.ignore_patterns("__pycache__", "*.egg-info")} if src.is_dir() else {}))
+    ws = dvc_workspace(tmp_path / "ws", ITEMS)
     os.symlink(PROJECT / ".venv-vllm", ws / ".venv-vllm")
-    _run(ws, "git", "init", "-q")
-    _dvc(ws, "init", "-q")
     shutil.copy(PROJECT / ".dvc" / "config", ws / ".dvc" / "config")  # the project's cache links
     _run(ws, sys.executable, "-m", "hacrl.cli", "config", *TINY)
     yield ws

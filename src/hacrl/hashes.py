@@ -18,12 +18,14 @@ MEMO = Path(".dvc") / "tmp" / "hacrl-md5.json"
 """Per project: each file's md5 keyed by its (size, mtime, ctime, inode)."""
 
 
-def file_md5(path: Path) -> str:
-    h = hashlib.md5()
+def file_digest(path: Path, algorithm: str = "md5") -> str:
+    """The hex digest of a file's bytes, read in chunks."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
+
+
+def file_md5(path: Path) -> str:
+    return file_digest(path, "md5")
 
 
 def dvc_hash(path: str | os.PathLike, md5=file_md5) -> str:

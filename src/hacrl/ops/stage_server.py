@@ -43,6 +43,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from hacrl import sockets
+
 log = logging.getLogger(__name__)
 
 IDLE_S = 600.0
@@ -148,31 +150,11 @@ def stop() -> bool:
 
 
 def _connect(path: Path, wait_s: float = 0.0, server: subprocess.Popen | None = None) -> socket.socket | None:
-    """A connection to the server at ``path``, waiting up to ``wait_s`` for one to come up (not
-    past the exit of ``server``, the process started to serve it: a server that cannot start,
-    say an import that fails, costs its first client no more than the attempt)."""
-    import time
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.connect(str(path))
-            return s
-        except OSError:
-            s.close()
-            if time.monotonic() >= deadline or (server is not None and server.poll() is not None
-                                                 and not path.exists()):
-                return None
-            time.sleep(0.05)
+    return sockets.connect(path, socket.SOCK_SEQPACKET, wait_s, server)
 
 
 def _wait_gone(path: Path, wait_s: float = 5.0) -> None:
-    import time
-
-    deadline = time.monotonic() + wait_s
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    sockets.wait_gone(path, wait_s)
 
 
 def _umask() -> int:
@@ -279,11 +261,7 @@ def serve(path: Path, entry: str, idle_s: float = IDLE_S) -> None:
                 os.close(fd)
             conn.close()
     finally:
-        try:
-            if os.stat(path).st_ino == os.fstat(srv.fileno()).st_ino:
-                path.unlink()
-        except OSError:
-            pass
+        sockets.unlink_own(path, srv)
         srv.close()
 
 

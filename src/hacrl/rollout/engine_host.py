@@ -52,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hacrl import sockets
 from hacrl.rollout.engine import EngineError
 
 log = logging.getLogger(__name__)
@@ -107,17 +108,7 @@ class _Conn:
 
 
 def _connect(path: Path, wait_s: float = 0.0, server: subprocess.Popen | None = None) -> socket.socket | None:
-    deadline = time.monotonic() + wait_s
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(str(path))
-            return s
-        except OSError:
-            s.close()
-            if time.monotonic() >= deadline or (server is not None and server.poll() is not None):
-                return None
-            time.sleep(0.05)
+    return sockets.connect(path, socket.SOCK_STREAM, wait_s, server)
 
 
 def _start_host(path: Path, project: Path, idle_s: float) -> subprocess.Popen:
@@ -155,16 +146,10 @@ def connect(project: str | os.PathLike, idle_s: float = 900.0) -> _Conn:
             return conn
         conn.close()
         if hello.get("refused") == "stale" and not attempt:  # the code changed: a fresh host
-            _wait_gone(path)
+            sockets.wait_gone(path, 10.0)
             continue
         raise HostError(f"the engine host refused: {hello.get('refused') or hello.get('error')}")
     raise HostError("no engine host answered")
-
-
-def _wait_gone(path: Path, wait_s: float = 10.0) -> None:
-    deadline = time.monotonic() + wait_s
-    while path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def stop(project: str | os.PathLike) -> bool:
@@ -307,12 +292,14 @@ class HostedProcess:
         return reply["reply"]
 
     def reload(self, weights_dir: str | Path, weights: str | None = None) -> dict:
-        """Serve another checkpoint (a new session on it)."""
+        """Serve another checkpoint (a new session on it), named by its content hash (``weights``,
+        else hashed here: the host must never take the old hash for new weights)."""
+        from hacrl.hashes import cached_dvc_hash
+
         t0 = time.time()
         self.close()
         self.model_dir = str(weights_dir)
-        if weights is not None:
-            self.weights = weights
+        self.weights = weights or cached_dvc_hash(self.project, weights_dir)
         sync = self._open()
         return {"mode": sync["mode"], "seconds": time.time() - t0}
 

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from hacrl import sockets
 from hacrl.rollout.engine import EngineError
 from hacrl.rollout.engine_host import _Conn, _connect
 from hacrl.rollout.vllm_engine import VLLMProcess
@@ -324,11 +325,7 @@ def serve(path: Path, project: Path, idle_s: float) -> None:
             sock.settimeout(None)
             threading.Thread(target=host.handle, args=(sock,), daemon=True).start()
     finally:
-        try:
-            if os.stat(path).st_ino == os.fstat(srv.fileno()).st_ino:
-                path.unlink()
-        except OSError:
-            pass
+        sockets.unlink_own(path, srv)
         srv.close()
         host.shutdown()
         log.info("stopped")

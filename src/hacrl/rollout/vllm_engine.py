@@ -211,8 +211,6 @@ class VLLMEngine:
 
             self.proc = HostedProcess(host, agent, model_dir, weights_id, settings, host_idle_s)
         else:
-            if not Path(settings["python"]).exists():
-                raise EngineError(f"rollout.engine=vllm: no vLLM environment at {python} (run `make setup-vllm`)")
             self.proc = VLLMProcess(model_dir, settings, log_path)
         self.startup_s = self.proc.startup_s
         self.sync = getattr(self.proc, "sync", None)
