@@ -3,15 +3,17 @@
 The SmolLM2 pool (``agents=smollm2_mix experiment=smollm2``: SmolLM2-135M-Instruct beside an
 embedded qwen2) in scratch git + DVC workspaces, the project's DVC cache links:
 
-1. ``dvc repro`` iteration by iteration with ``rollout=hf`` (iterations 1-2) and with
-   ``rollout=vllm`` (iterations 1-3; iteration 1 starts the engine host's workers, 2-3 are the
+1. ``dvc repro`` iteration by iteration with ``rollout=hf`` (iterations 1-3) and with
+   ``rollout=vllm`` (iterations 1-4; iteration 1 starts the engine host's workers, 2-4 are the
    steady state): wall seconds per iteration, each stage's own seconds (its log), and what is
    left for DVC and process starts;
 2. the bare transformers loop on the same work as each vLLM generate-rollouts stage: the same
    prompts, samples, sampling and checkpoints, ``hacrl bench rollout``'s bare loop in this
    process (load, left-pad, ``generate``, decode; imports not timed);
-3. ``prefect deployment run hacrl/iterate --watch`` of the last vLLM iteration (forced) against
-   its ``dvc repro`` (``hacrl serve`` started once, not timed);
+3. the last vLLM iteration forced, in two interleaved rounds: ``dvc repro`` of its six stages
+   (one ``--single-item`` call each, as the flow's tasks do), ``prefect deployment run
+   hacrl/iterate --watch`` and ``hacrl iterate`` (``hacrl serve`` started once, not timed), with
+   each flow run's own duration from Prefect's API;
 4. checkpoint I/O against size: ``save_pretrained`` (safetensors), DVC's hash (md5), and
    ``dvc commit`` into the cache with links and with copies, for the embedded agent,
    SmolLM2-135M (fp32 and bf16) and a 270M-parameter llama (fp32), with per-GB rates.
@@ -118,15 +120,44 @@ def bare_rollouts(ws: Path, t: int) -> dict:
         os.chdir(here)
 
 
-def prefect_iteration(ws: Path, t: int) -> float:
+FLOW_RUN_TIMES = """
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.sorting import FlowRunSort
+with get_client(sync_client=True) as c:
+    fr = c.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+    print(repr({"name": fr.name, "state": fr.state_name,
+                "created_to_end_s": (fr.end_time - fr.created).total_seconds(),
+                "start_to_end_s": (fr.end_time - fr.start_time).total_seconds()}))
+"""
+
+
+def prefect_rounds(ws: Path, t: int, rounds: int) -> list[dict]:
+    """Iteration t forced, interleaved: ``dvc repro`` (the six stages, as the flow runs them),
+    ``prefect deployment run hacrl/iterate --watch`` and ``hacrl iterate`` (the same deployment
+    run, followed by polling); for the two Prefect paths also the flow run's own duration
+    (created -> completed, from Prefect's API: the CLI's start and its wait for straggler logs
+    after the end left out)."""
     from hacrl.ops.services import serve, stop
 
     serve(ws, 0, 0, gpu_workers=0, mlflow_ui=False)
+    out = []
     try:
-        t0 = time.perf_counter()
-        _run(ws, "prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
-             "--param", f"iteration={t}", "--param", "force=true")
-        return round(time.perf_counter() - t0, 1)
+        for r in range(rounds):
+            row = {"dvc_repro_s": iteration(ws, t, force=True)["wall_s"]}
+            t0 = time.perf_counter()
+            _run(ws, "prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
+                 "--param", f"iteration={t}", "--param", "force=true")
+            row["prefect_cli_s"] = round(time.perf_counter() - t0, 1)
+            row["prefect_cli_flow_run"] = ast.literal_eval(_run(ws, sys.executable, "-c", FLOW_RUN_TIMES).strip()
+                                                           .splitlines()[-1])
+            t0 = time.perf_counter()
+            _run(ws, sys.executable, "-m", "hacrl.cli", "iterate", "--iteration", str(t), "--force")
+            row["hacrl_iterate_s"] = round(time.perf_counter() - t0, 1)
+            row["hacrl_iterate_flow_run"] = ast.literal_eval(_run(ws, sys.executable, "-c", FLOW_RUN_TIMES).strip()
+                                                             .splitlines()[-1])
+            print("prefect round", r + 1, row, flush=True)
+            out.append(row)
+        return out
     finally:
         stop(ws)
 
@@ -186,6 +217,47 @@ def checkpoint_io(work: Path) -> list[dict]:
     return rows
 
 
+def summary(res: dict) -> str:
+    """The goals of the engines issue, as a table of this run's figures."""
+    import statistics as st
+
+    smol = "smollm2-135m"
+    lines = ["## engine_host", "", ("SmolLM2 pool (`agents=smollm2_mix experiment=smollm2`), 2-core CPU; "
+                                     "`benchmarks/engine_host.py`."), "",
+             "| figure | values | mean |", "|---|---|---|"]
+
+    def row(name: str, vals: list[float], fmt: str = "{:.1f}") -> None:
+        mean = st.mean(vals) if vals else float("nan")
+        lines.append(f"| {name} | {' / '.join(fmt.format(v) for v in vals)} | {fmt.format(mean)} |")
+
+    steady = [t for t in res["vllm"] if int(t) > 1]
+    ratios = []
+    for t in steady:
+        r = res["vllm"][t]["rollouts"].get(smol)
+        b = res["bare_rollouts"].get(t) or res["bare_rollouts"].get(int(t))
+        if r and b:
+            ratios.append(r["tokens_per_s"] / (b["tokens"] / b["generate_s"]))
+    row("vLLM generate-rollouts stage / bare transformers loop, tok/s (steady iterations)", ratios, "{:.2f}x")
+    hf = [v["wall_s"] for v in res["hf"].values()]
+    vl = [res["vllm"][t]["wall_s"] for t in steady]
+    row("iteration through dvc repro, rollout=hf, s", hf)
+    row("iteration through dvc repro, rollout=vllm (steady), s", vl)
+    row("outside the stages under dvc repro (DVC, process starts), % of the iteration",
+        [100 * v["outside_stages_s"] / v["wall_s"] for v in [*res["hf"].values(), *res["vllm"].values()]])
+    rounds = res.get("prefect_rounds", [])
+    if rounds:
+        row("forced iteration, dvc repro of its six stages, s", [r["dvc_repro_s"] for r in rounds])
+        row("the same, prefect deployment run --watch (CLI wall), % over dvc repro",
+            [100 * (r["prefect_cli_s"] / r["dvc_repro_s"] - 1) for r in rounds])
+        row("the same, that flow run created -> completed, % over dvc repro",
+            [100 * (r["prefect_cli_flow_run"]["created_to_end_s"] / r["dvc_repro_s"] - 1) for r in rounds])
+        row("the same, hacrl iterate (CLI wall), % over dvc repro",
+            [100 * (r["hacrl_iterate_s"] / r["dvc_repro_s"] - 1) for r in rounds])
+        row("the same, that flow run created -> completed, % over dvc repro",
+            [100 * (r["hacrl_iterate_flow_run"]["created_to_end_s"] / r["dvc_repro_s"] - 1) for r in rounds])
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir")
@@ -200,29 +272,28 @@ def main() -> None:
         from hacrl.storage import read_json
 
         last = read_json(out) if out.exists() else {}
-        for k in ("checkpoint_io",) * a.skip_io + ("prefect_it3_s", "dvc_it3_forced") * a.skip_prefect:
+        for k in ("checkpoint_io",) * a.skip_io + ("prefect_rounds",) * a.skip_prefect:
             if k in last:
                 res[k] = last[k]
     if not a.skip_io:
         res["checkpoint_io"] = checkpoint_io(work)
 
     hf, vl = work / "hf", work / "vllm"
-    workspace(hf, "hf", 2)
+    workspace(hf, "hf", 3)
     prep0 = time.perf_counter()
     _dvc(hf, "repro", "evaluate-warmup")
     res["prepare_s"] = round(time.perf_counter() - prep0, 1)
     # the vLLM workspace starts from the same prepared iteration 0 (DVC's cache and lock copied)
     shutil.copytree(hf, vl, symlinks=True)
-    _run(vl, sys.executable, "-m", "hacrl.cli", "config", *POOL, "rollout.engine=vllm", "experiment.iterations=3")
-    res["hf"] = {t: iteration(hf, t) for t in (1, 2)}
+    _run(vl, sys.executable, "-m", "hacrl.cli", "config", *POOL, "rollout.engine=vllm", "experiment.iterations=4")
+    res["hf"] = {t: iteration(hf, t) for t in (1, 2, 3)}
     print("hf", json.dumps(res["hf"], default=str)[:2000], flush=True)
-    res["vllm"] = {t: iteration(vl, t) for t in (1, 2, 3)}
+    res["vllm"] = {t: iteration(vl, t) for t in (1, 2, 3, 4)}
     print("vllm", json.dumps(res["vllm"], default=str)[:2000], flush=True)
-    res["bare_rollouts"] = {t: bare_rollouts(vl, t) for t in (2, 3)}
+    res["bare_rollouts"] = {t: bare_rollouts(vl, t) for t in (2, 3, 4)}
     print("bare", res["bare_rollouts"], flush=True)
     if not a.skip_prefect:
-        res["prefect_it3_s"] = prefect_iteration(vl, 3)
-        res["dvc_it3_forced"] = iteration(vl, 3, force=True)
+        res["prefect_rounds"] = prefect_rounds(vl, 4, 2)
     from hacrl.rollout import engine_host
 
     for ws in (hf, vl):
@@ -231,7 +302,9 @@ def main() -> None:
     from hacrl.storage import write_json
 
     write_json(out, res)
-    print(json.dumps(res, indent=1, default=str))
+    md = summary(json.loads(json.dumps(res)))
+    out.with_suffix(".md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -226,6 +226,7 @@ def compare(contenders: list[Contender], reps: int, warmup: bool = True) -> dict
         for c in contenders:
             log.info("warm-up: %s", c.name)
             once(c)
+        extra = {c.name: {} for c in contenders}  # the measured rounds' figures, not the warm-up's
     for r in range(reps):
         for c in contenders:
             dt = once(c)
