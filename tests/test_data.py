@@ -140,3 +140,124 @@ def test_oversized_problems_answers_and_lines_are_refused_before_they_cost_memor
     big.write_text("y" * (MAX_LINE_BYTES + 1) + "\n")
     with pytest.raises(DataError, match=r"big.jsonl:1: line of 1,048,578 bytes, over the 1,048,576-byte limit"):
         load_problems(big)
+
+
+# ----------------------------------------------------------------------------- formats researchers bring
+
+def _verl_rows() -> list[dict]:
+    """Rows as verl's examples/data_preprocess/gsm8k.py writes them."""
+    return [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "system", "content": "You are a helpful assistant."},
+                        {"role": "user", "content": f"What is {a}+{a}? Let's think step by step and output the "
+                                                    "final answer after \"####\"."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * a)},
+             "extra_info": {"split": "train", "index": a}} for a in range(1, 5)]
+
+
+def test_verl_parquet_takes_the_last_user_message_and_the_ground_truth(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hacrl.pipeline import params
+
+    f = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), f)
+    d = params.compose(["data=parquet", f"data.train_path={f}", f"data.heldout_path={f}"])["data"]
+    assert (d["format"], d["fields"]["problem"], d["fields"]["answer"]) == ("parquet", "prompt",
+                                                                           "reward_model.ground_truth")
+    got, skipped = load_problems(f, "error", d["format"], data.FieldMap(**d["fields"]), d["answer_format"])
+    assert skipped == 0 and [g["answer"] for g in got] == ["2", "4", "6", "8"]
+    assert got[0]["problem"].startswith("What is 1+1? Let's think") and got[0]["id"] == "1"
+    assert got[0]["level"] == "openai/gsm8k"
+    # a bad row: no user message in its chat; named by file and row
+    rows = _verl_rows()
+    rows[2]["prompt"] = [{"role": "system", "content": "hi"}]
+    pq.write_table(pa.Table.from_pylist(rows), f)
+    with pytest.raises(DataError, match=rf"^{f}: row 3: field 'prompt': a chat without a user message"):
+        load_problems(f, "error", "parquet", data.FieldMap(**d["fields"]), "raw")
+    got, skipped = load_problems(f, "skip", "parquet", data.FieldMap(**d["fields"]), "raw")
+    assert len(got) == 3 and skipped == 1
+
+
+def test_hf_disk_directory_is_read_with_load_from_disk(tmp_path):
+    import datasets
+
+    rows = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+             "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"},
+            {"question": "A big number?", "answer": "It is 1,000 plus 234.\n#### 1,234"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "gsm8k"))
+    fields = data.FieldMap(problem="question", answer="answer")
+    got, _ = load_problems(tmp_path / "gsm8k", fmt="hf_disk", fields=fields, answer_format="gsm8k")
+    assert [g["answer"] for g in got] == ["72", "1234"] and got[0]["problem"].startswith("Natalia")
+    assert [g["id"] for g in got] == ["gsm8k-000001", "gsm8k-000002"]
+    # auto: a directory is a saved dataset
+    assert load_problems(tmp_path / "gsm8k", fields=fields, answer_format="gsm8k")[0] == got
+    # a bad row: no '####'
+    datasets.Dataset.from_list(rows + [{"question": "Q?", "answer": "no marker"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"bad: row 3: field 'answer': it holds no '#### <answer>' "
+                                        r"\(data.answer_format=gsm8k\)"):
+        load_problems(tmp_path / "bad", fmt="hf_disk", fields=fields, answer_format="gsm8k")
+    # a DatasetDict names its splits
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"a DatasetDict with splits train; name one split's directory"):
+        load_problems(tmp_path / "dd", fmt="hf_disk", fields=fields)
+
+
+def test_jsonl_field_mapping_and_math_boxed_gold(tmp_path):
+    f = tmp_path / "math.jsonl"
+    rows = [{"uid": "m1", "question": "Simplify 2/4.", "type": "Prealgebra",
+             "solution": "Divide both by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$."},
+            {"uid": "m2", "question": "What is $\\sqrt{16}$?", "type": "Algebra",
+             "solution": "First \\boxed{3} is wrong; $4^2 = 16$, so the answer is $\\boxed{4}$."},
+            {"uid": "m3", "question": "Nested?", "type": "Algebra", "solution": "\\boxed{\\{1, {2}\\}}"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = data.FieldMap(id="uid", problem="question", answer="solution", level="type")
+    got, _ = load_problems(f, fields=fields, answer_format="boxed")
+    assert [(g["id"], g["answer"], g["level"]) for g in got] == [
+        ("m1", "\\frac{1}{2}", "Prealgebra"), ("m2", "4", "Algebra"), ("m3", "\\{1, {2}\\}", "Algebra")]
+    f.write_text(f.read_text() + json.dumps({"uid": "m4", "question": "Q?", "solution": "no box"}) + "\n")
+    with pytest.raises(DataError, match=rf"^{f}:4: field 'solution': it holds no \\boxed"):
+        load_problems(f, fields=fields, answer_format="boxed")
+    # the mapping names a field the rows lack: said with the setting to change
+    with pytest.raises(DataError, match=rf"^{f}:1: missing field 'problem' \(data.fields.problem\)"):
+        load_problems(f)
+
+
+def test_duplicate_task_ids_are_refused_with_both_places(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "problem": f"{i}+1?", "answer": "1"}) + "\n" for i in ("a", "b", "a")))
+    for mode in ("error", "skip"):
+        with pytest.raises(DataError, match=rf"^{f}:3: id 'a' already used at {f}:1"):
+            load_problems(f, mode)
+
+
+def test_gold_extraction_shapes():
+    assert data.last_boxed("a \\boxed{1} b \\boxed{2}") == "2"
+    assert data.last_boxed("\\fbox{x^{2}}") == "x^{2}"
+    assert data.last_boxed("\\boxed{unclosed") is None and data.last_boxed("none") is None
+    assert data.gsm8k_answer("so 3 + 4 = 7\n#### 7") == "7"
+    assert data.gsm8k_answer("#### 1,234,567") == "1234567" and data.gsm8k_answer("#### -3.5") == "-3.5"
+    assert data.gsm8k_answer("no marker") is None and data.gsm8k_answer("####  ") is None
+
+
+def test_prepare_data_reads_a_saved_dataset_through_the_config(tmp_path, monkeypatch):
+    import datasets
+
+    from hacrl.pipeline import params
+    from hacrl.pipeline.stages.prepare_data import prepare_data
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"Twice {i}.\n#### {2 * i:,}"} for i in range(995, 1025)]
+    for split in ("train", "test"):
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "gsm" / split))
+    d = params.compose(["data=hf_disk", f"data.train_path={tmp_path / 'gsm' / 'train'}",
+                        f"data.heldout_path={tmp_path / 'gsm' / 'test'}", "data.fields.problem=question",
+                        "data.answer_format=gsm8k", "data.dev_size=5"])
+    monkeypatch.chdir(tmp_path)  # the stage writes data/tasks under the working directory
+    cfg = params.from_dict(d)
+    assert cfg.data.format == "hf_disk" and cfg.data.fields.problem == "question"
+    res = prepare_data(cfg)
+    assert res.metrics["tasks/train"] + res.metrics["tasks/dev"] == 30 and res.metrics["tasks/heldout"] == 30
+    from hacrl.storage import RunLayout
+
+    held = data.read_jsonl(tmp_path / RunLayout().tasks / "heldout.jsonl")
+    assert held[0] == {"id": "test-000001", "problem": "What is 995 + 995?", "answer": "1990", "level": "all"}

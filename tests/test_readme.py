@@ -63,6 +63,14 @@ def test_the_readme_overrides_compose_into_valid_configs(tmp_path):
         (data / name).write_text(rows)
     cmds = [c for c in readme_commands() if _make_run_overrides(c) is not None]
     assert len(cmds) >= 6
+    for path in {m for c in cmds for m in re.findall(r'=/data/([^\s"]+)', c)}:  # every other task file named
+        f = data / path
+        if f.suffix:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            if not f.exists():
+                f.write_text(rows)
+        else:  # a saved dataset's directory
+            f.mkdir(parents=True, exist_ok=True)
     for cmd in cmds:
         # the README's /data/ paths point at files made here
         overrides = [o.replace("=/data/", f"={data}/") for o in _make_run_overrides(cmd)]

@@ -258,6 +258,16 @@ def cmd_resources(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sharing(args: argparse.Namespace) -> int:
+    from hacrl.study.sharing import sharing_report, write_sharing_report
+
+    if args.out:
+        print(f"wrote {write_sharing_report(args.runs_dir, args.out, args.title)}")
+    else:
+        print(sharing_report(args.runs_dir, args.title))
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from hacrl.ops import stage_server
     from hacrl.ops.services import stop
@@ -360,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--params", default=None)
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(fn=cmd_resources)
+    sh = sub.add_parser("sharing", help="how well a run's agents share: THL residuals and cross ratios per pair, "
+                                         "held-out accuracy per iteration (Markdown)")
+    sh.add_argument("--runs-dir", default="runs")
+    sh.add_argument("--title", default="")
+    sh.add_argument("--out", help="write the Markdown here (default: print it)")
+    sh.set_defaults(fn=cmd_sharing)
     st = sub.add_parser("stop", help="stop what `hacrl serve` started")
     st.add_argument("--project", default=".")
     st.set_defaults(fn=cmd_stop)

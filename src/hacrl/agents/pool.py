@@ -115,12 +115,14 @@ def build_model(agent: AgentConfig, tokenizer):
 
 @dataclass
 class Agent:
-    """A loaded agent: its name, tokenizer, model and prompt template."""
+    """A loaded agent: its name, tokenizer, model and prompt template, and the strings that end
+    its responses (``agents[*].stop``)."""
 
     name: str
     tokenizer: object
     model: object
     template: str
+    stop: tuple[str, ...] = ()
 
     def render(self, problem: str) -> str:
         return self.template.replace("{problem}", problem)
@@ -142,6 +144,18 @@ def load_tokenizer(agent: AgentConfig, model_dir: str | Path):
     return tok
 
 
+def bos_prefix(tokenizer) -> str:
+    """The BOS token's text where the tokenizer puts one before a text by default (Gemma, Llama):
+    every stage encodes rendered prompts without special tokens (the template decides what the
+    model sees), so a plain template carries it; a chat template writes its own."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    with_special = tokenizer("x")["input_ids"]
+    return bos if with_special[:1] == [bos_id] and tokenizer("x", add_special_tokens=False)["input_ids"][:1] != [bos_id] \
+        else ""
+
+
 def prompt_template(agent: AgentConfig, tokenizer) -> str:
     """The agent's prompt template as every stage fills it (``{problem}`` replaced by the text).
 
@@ -151,7 +165,7 @@ def prompt_template(agent: AgentConfig, tokenizer) -> str:
     problem, and a template that rewrites its content is refused.
     """
     if not agent.chat:
-        return agent.template
+        return bos_prefix(tokenizer) + agent.template
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"agents.{agent.name}.chat: the tokenizer has no chat template")
 
@@ -179,7 +193,7 @@ def load_agent(agent: AgentConfig, model_dir: str | Path, dtype: str = "fp32") -
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()
-    return Agent(agent.name, tok, model, prompt_template(agent, tok))
+    return Agent(agent.name, tok, model, prompt_template(agent, tok), tuple(agent.stop))
 
 
 def save_agent(agent: Agent, out_dir: str | Path) -> None:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from hacrl.agents.pool import Agent
 from hacrl.agents.scoring import pack, token_logprobs
 from hacrl.config.schema import WarmupConfig
-from hacrl.rollout.engine import SamplingParams
+from hacrl.rollout.engine import SamplingParams, cut_at_stop
 from hacrl.rollout.hf import HFEngine
 from hacrl.task.data import target_text
 from hacrl.task.rewards import CORRECT, VerifierPool
@@ -31,8 +31,9 @@ def greedy_answers(agent: Agent, problems: list[dict], max_new_tokens: int,
     (``max_batch_tokens``: the KV-cache budget of one generate call, 0: none)."""
     engine = HFEngine(agent.model, agent.tokenizer, batch_size=batch_size, desc=f"eval {agent.name}",
                       max_batch_tokens=max_batch_tokens)
-    comps = engine.generate([agent.render(p["problem"]) for p in problems],
-                            SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
+    comps = cut_at_stop(engine.generate([agent.render(p["problem"]) for p in problems],
+                                        SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)),
+                        agent.tokenizer, agent.stop)
     return [(p["answer"], c.text) for p, c in zip(problems, comps)]
 
 

@@ -134,6 +134,22 @@ class ExperimentConfig(Settings):
 
 
 @dataclass
+class FieldsConfig(Settings):
+    """Which field of a task file's rows is what (``data.source=files``). A dotted name reaches
+    into nested objects (verl's ``reward_model.ground_truth``); a problem field holding a chat (a
+    list of ``{role, content}`` messages, verl's ``prompt``) gives its last user message."""
+
+    id: str | None = "id"
+    """The row's id; absent (or null): ``<file stem>-<row number>``. Ids must be unique in a file."""
+    problem: str = "problem"
+    """The problem text, or a chat whose last user message is the problem."""
+    answer: str = "answer"
+    """The field holding the gold answer (see ``data.answer_format``)."""
+    level: str | None = "level"
+    """The row's level (per-level accuracy); absent (or null): ``all``."""
+
+
+@dataclass
 class DataConfig(Settings):
     """The task: the built-in procedural arithmetic, or local problem files."""
 
@@ -154,9 +170,20 @@ class DataConfig(Settings):
     heldout_fraction: float = setting(0.2, gt=0, lt=1)
     """Fraction of the problem space reserved (by hash) for held-out and dev problems."""
     train_path: str | None = None
-    """``files``: the training problems (JSONL or Parquet rows with ``problem`` and ``answer``)."""
+    """``files``: the training problems (a JSONL or Parquet file, or a ``datasets.save_to_disk``
+    directory; see ``data.format``, ``data.fields``, ``data.answer_format``)."""
     heldout_path: str | None = None
     """``files``: the held-out problems, same format."""
+    format: str = setting("auto", choices=("auto", "jsonl", "parquet", "hf_disk"))
+    """``files``: how the task files are stored: ``jsonl``, ``parquet``, ``hf_disk`` (a
+    ``datasets.save_to_disk`` directory, read with ``datasets.load_from_disk``), or ``auto`` (a
+    directory is ``hf_disk``, ``*.parquet`` Parquet, anything else JSONL)."""
+    fields: FieldsConfig = field(default_factory=FieldsConfig)
+    """``files``: which field of a row is the id, the problem, the answer and the level."""
+    answer_format: str = setting("raw", choices=("raw", "boxed", "gsm8k"))
+    """``files``: where the gold answer is inside the answer field: ``raw`` (the whole field),
+    ``boxed`` (the last ``\\boxed{...}`` of a worked solution, MATH's layout) or ``gsm8k`` (what
+    follows ``####``, thousands separators dropped)."""
     on_bad_row: str = setting("error", choices=("error", "skip"))
     """``error``: a malformed row fails with file and line; ``skip``: skipped and counted."""
     completion: str = setting("answer", choices=("answer", "worked"))
@@ -215,11 +242,16 @@ class AgentConfig(Settings):
     path: str | None = None
     """A Hugging Face model directory: when set the agent is a real model and is not built."""
     fetch: str | None = None
-    """A pretrained model the project fetches offline (:mod:`hacrl.agents.pretrained`: ``smollm2``):
+    """A pretrained model the project fetches offline (:mod:`hacrl.agents.pretrained`: ``smollm2``,
+    ``gemma3_270m``):
     prepare-pool writes it to ``path`` when that directory does not exist yet."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     template: str = setting("Q: {problem}\nA:", pattern=r"(?s).*\{problem\}.*", why="must contain {problem}")
     """The agent's own prompt template; ``{problem}`` is replaced by the problem text."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (a base model's few-shot format: ``["\\n\\n"]``): each
+    completion is cut after the token that completes the first of them, by every engine alike,
+    and then ends as one stopped by EOS does."""
     chat: bool = False
     """Instruct models: the filled template becomes the user turn of the tokenizer's chat
     template, followed by the opened assistant turn (``apply_chat_template`` with

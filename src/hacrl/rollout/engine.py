@@ -10,6 +10,8 @@ its own process (:mod:`hacrl.rollout.vllm_engine`). Each is made by ``open(reque
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,3 +113,36 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Stop whatever the engine started."""
         ...
+
+
+def cut_at_stop(comps: list[Completion], tokenizer, stop: tuple[str, ...] | list[str]) -> list[Completion]:
+    """Each completion cut after the token that completes the first of the ``stop`` strings in
+    its text (``agents[*].stop``: where a base model's few-shot answer ends), its log-probs with
+    it; such a completion ends as one stopped by EOS does (``finish_reason: stop``).
+
+    Applied to what any engine returns, so every engine cuts alike; the tokens after a stop
+    string do not change the ones before it, so the cut sample is one the model could have
+    stopped at. A completion without a stop string is returned as it is."""
+    if not stop:
+        return comps
+
+    def text_of(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    out = []
+    for c in comps:
+        if not any(s in c.text for s in stop):
+            out.append(c)
+            continue
+        lo, hi = 1, len(c.token_ids)  # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in text_of(c.token_ids[:mid]) for s in stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        ids = c.token_ids[:lo]
+        out.append(dataclasses.replace(c, token_ids=ids, logprobs=c.logprobs[:lo], text=text_of(ids),
+                                       finish_reason="stop"))
+    return out
+

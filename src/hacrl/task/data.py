@@ -1,4 +1,5 @@
-"""Task data: the built-in procedural arithmetic task and a loader for local problem files.
+"""Task data: the built-in procedural arithmetic task and a loader for local problem files
+(their formats and field mapping: :mod:`hacrl.task.sources`).
 
 A problem is a dict ``{"id", "problem", "answer", "level"}``; the answer is the text a model
 writes inside ``\\boxed{...}``. The procedural task is deterministic from the seed, and its
@@ -17,6 +18,9 @@ from fractions import Fraction
 from pathlib import Path
 
 from hacrl.errors import DataError
+from hacrl.task import sources
+from hacrl.task.sources import (MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS, FieldMap,  # noqa: F401
+                                gsm8k_answer, last_boxed)
 
 log = logging.getLogger(__name__)
 
@@ -106,108 +110,38 @@ def generate_split(split: str, size: int, levels: dict[str, float], max_operand:
     return out
 
 
-def load_problems(path: str | Path, on_bad_row: str = "error") -> tuple[list[Problem], int]:
-    """Load a JSONL or Parquet file with ``problem`` and ``answer`` fields.
+def load_problems(path: str | Path, on_bad_row: str = "error", fmt: str = "auto",
+                  fields: FieldMap | None = None, answer_format: str = "raw") -> tuple[list[Problem], int]:
+    """Load the problems of a task file (JSONL, Parquet or a ``datasets.save_to_disk``
+    directory; ``hacrl.task.sources``), fields mapped by ``fields``, the gold answer taken from
+    its field as ``answer_format`` says.
 
     Returns (problems, skipped). A malformed row raises ``DataError("file:line: why")``, or is
-    skipped and counted when ``on_bad_row == "skip"``.
+    skipped and counted when ``on_bad_row == "skip"``. Two rows with one id are refused whatever
+    ``on_bad_row`` says (a later stage joins rows by id).
     """
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file does not exist")
-    rows: list[tuple[int, object]] = []
-    if path.suffix == ".parquet":
-        import pandas as pd
-
-        try:
-            df = pd.read_parquet(path)
-        except Exception as e:  # noqa: BLE001 - any reader failure is a malformed file
-            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-        rows = [(i + 1, rec) for i, rec in enumerate(df.to_dict(orient="records"))]
-    else:
-        with open(path, "rb") as f:
-            for i, (raw, size) in enumerate(_capped_lines(f, MAX_LINE_BYTES), 1):
-                if raw is None:  # never held in memory, never parsed: a task row is not megabytes long
-                    rows.append((i, DataError(f"{path}:{i}: line of {size:,} bytes, over the "
-                                                 f"{MAX_LINE_BYTES:,}-byte limit of a task row")))
-                    continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    rows.append((i, DataError(f"{path}:{i}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                                 f"{e.start + 1})")))
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((i, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    rows.append((i, DataError(f"{path}:{i}: invalid JSON ({e.msg})")))
+    fields = fields or FieldMap()
     out: list[Problem] = []
+    first: dict[str, str] = {}  # id -> where it first appeared
     skipped = 0
-    for line, rec in rows:
-        err = _row_error(rec)
-        if err:
+    for n, (where, rec) in enumerate(sources.read_rows(path, fmt), 1):
+        got = sources.to_problem(rec, fields, answer_format, f"{path.stem}-{n:06d}")
+        if isinstance(got, str):
             if on_bad_row == "skip":
                 skipped += 1
                 continue
-            raise rec if isinstance(rec, DataError) else DataError(f"{path}:{line}: {err}")
-        answer = rec["answer"]
-        out.append({
-            "id": str(rec.get("id", f"{path.stem}-{line:06d}")),
-            "problem": rec["problem"].strip(),
-            "answer": str(answer).strip(),
-            "level": str(rec.get("level", "all")),
-        })
+            raise DataError(got if isinstance(rec, DataError) else f"{where}: {got}")
+        if got["id"] in first:
+            raise DataError(f"{where}: id {got['id']!r} already used at {first[got['id']]}; task ids must be "
+                            f"unique (data.fields.id={fields.id})")
+        first[got["id"]] = where
+        out.append(got)
     if skipped:
         log.warning("%s: skipped %d malformed rows", path, skipped)
     if not out:
         raise DataError(f"{path}: no valid rows")
     return out, skipped
-
-
-def _capped_lines(f, cap: int):
-    """``(line, size)`` per line of binary file ``f``; ``(None, size)`` for a line over ``cap``
-    bytes, which is skipped in chunks rather than read whole."""
-    while True:
-        line = f.readline(cap + 1)
-        if not line:
-            return
-        if len(line) <= cap or line.endswith(b"\n") and len(line) <= cap + 1:
-            yield line, len(line)
-            continue
-        size = len(line)
-        while not line.endswith(b"\n"):
-            line = f.readline(1 << 20)
-            if not line:
-                break
-            size += len(line)
-        yield None, size
-
-
-MAX_LINE_BYTES = 1 << 20
-"""A JSONL line longer than this is refused unparsed."""
-MAX_PROBLEM_CHARS = 16_384
-MAX_ANSWER_CHARS = 1_024
-"""Longer problems or answers are refused (a 10 MB problem took prepare-pool past 8 GB)."""
-
-
-def _row_error(rec: object) -> str | None:
-    if isinstance(rec, DataError):
-        return str(rec)
-    if not isinstance(rec, dict):
-        return f"row is not an object ({type(rec).__name__})"
-    for k in ("problem", "answer"):
-        if k not in rec or rec[k] is None:
-            return f"missing field {k!r}"
-    if not isinstance(rec["problem"], str) or not rec["problem"].strip():
-        return "field 'problem' must be a non-empty string"
-    if not isinstance(rec["answer"], (str, int, float)) or not str(rec["answer"]).strip():
-        return "field 'answer' must be a non-empty string or number"
-    for k, limit in (("problem", MAX_PROBLEM_CHARS), ("answer", MAX_ANSWER_CHARS)):
-        if len(str(rec[k])) > limit:
-            return f"field {k!r} has {len(str(rec[k])):,} characters, over the limit of {limit:,}"
-    return None
 
 
 def write_jsonl(path: str | Path, problems: list[Problem]) -> None:

@@ -14,7 +14,7 @@ from hacrl.pipeline.common import hash_seed, layout, resource_plan, set_threads,
 from hacrl.pipeline.engines import LOADING, SERIAL, open_engine, place, release_engine
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.resources import job_threads, run_stage
-from hacrl.rollout.engine import SamplingParams
+from hacrl.rollout.engine import SamplingParams, cut_at_stop
 from hacrl.rollout.table import engine_spec
 from hacrl.storage import atomic_path
 from hacrl.task import data as task_data
@@ -56,7 +56,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
                                         seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
                 t1 = time.time()
                 try:
-                    comps = engine.generate(rendered, params)
+                    comps = cut_at_stop(engine.generate(rendered, params), agent.tokenizer, agent.stop)
                 finally:
                     if getattr(engine, "sync", None) is not None:
                         held[ac.name] = engine  # the engine host's: the plan's releases apply to it

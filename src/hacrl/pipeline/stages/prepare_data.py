@@ -29,8 +29,9 @@ def prepare_data(cfg: Config) -> StageResult:
         }
         skipped = {}
     else:
-        train, s1 = task_data.load_problems(d.train_path, d.on_bad_row)
-        held, s2 = task_data.load_problems(d.heldout_path, d.on_bad_row)
+        how = dict(fmt=d.format, fields=task_data.FieldMap(**vars(d.fields)), answer_format=d.answer_format)
+        train, s1 = task_data.load_problems(d.train_path, d.on_bad_row, **how)
+        held, s2 = task_data.load_problems(d.heldout_path, d.on_bad_row, **how)
         r = random.Random(f"{seed}/dev")
         r.shuffle(train)
         n_dev = min(d.dev_size, len(train) // 5)
