@@ -314,3 +314,28 @@ def test_only_samples_inside_their_window_count_as_carrying_gradient():
     assert met["samples"]["active"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
     _, met = _loss(new, old, torch.ones(5), is_self, torch.ones(5), cross_clip=False)
     assert met["samples"]["active"].tolist()[:3] == [1.0, 1.0, 1.0]
+
+
+def test_cross_weight_removes_only_the_gradient_from_peers_samples():
+    """``cross_weight=0`` (the control that isolates learning from peers): the self samples get
+    HACPO's gradient, the same pooled mean's count; cross samples pass none. 0.5 halves it."""
+    import dataclasses
+
+    torch.manual_seed(1)
+    old = torch.randn(6, 4) * 0.1 - 1
+    is_self = torch.tensor([True, True, True, False, False, False])
+
+    def grads(weight: float) -> torch.Tensor:
+        logp = (old + torch.randn(6, 4, generator=torch.Generator().manual_seed(2)) * 0.02).requires_grad_()
+        inp = LossInputs(logp=logp, old_logp=old, mask=torch.ones(6, 4), advantages=torch.tensor([1.0, -1, .5, 1, -1, .5]),
+                         is_self=is_self, omega_src=torch.ones(6), behavior_logp=old + 0.01,
+                         behavior_logp_mean=(old + 0.01).mean(1))
+        opts = dataclasses.replace(HacpoLossOptions(cross_clip=False), cross_weight=weight)
+        loss, _ = LOSSES["hacpo"].fn(inp, opts)
+        loss.backward()
+        return logp.grad
+
+    full, none, half = grads(1.0), grads(0.0), grads(0.5)
+    assert torch.equal(none[is_self], full[is_self]) and full[~is_self].abs().sum() > 0
+    assert torch.count_nonzero(none[~is_self]) == 0
+    assert torch.allclose(half[~is_self], 0.5 * full[~is_self]) and torch.equal(half[is_self], full[is_self])

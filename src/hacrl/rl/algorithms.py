@@ -473,6 +473,11 @@ class HacpoLossOptions(Settings):
     aggregation: str = setting("pooled_mean", choices=("pooled_mean", "split"))
     """Open choice: ``pooled_mean``, one mean over all samples of the mini-batch (reference), or
     ``split``, mean(self) + mean(cross)."""
+    cross_weight: float = setting(1.0, ge=0, le=1)
+    """Scales the cross samples' terms of the objective (1: HACPO). 0 is the control that removes
+    learning from peers alone: the same mini-batches (cross samples still in them and in the
+    mean's count), optimizer updates, lr schedule and pooled baseline, no gradient from a peer's
+    sample."""
 
 
 def stepwise_lower_bound(update_index: int, delta: float, delta_step: float) -> float:
@@ -505,6 +510,8 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     sg = (c if opts.sg_on == "clipped" else s).detach()
     w = inp.omega_src.float() if opts.discrepancy_coef else torch.ones_like(a)
     cross_term = c * sg.pow(opts.alpha) * w * a
+    if opts.cross_weight != 1.0:  # the control; at 1 the reference's terms, bit for bit
+        cross_term = opts.cross_weight * cross_term
     per = torch.where(is_self, self_term, cross_term)
     cross = ~is_self
     if opts.aggregation == "split":
