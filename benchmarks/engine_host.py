@@ -131,6 +131,11 @@ with get_client(sync_client=True) as c:
 """
 
 
+def last_flow_run(ws: Path) -> dict:
+    """The newest flow run's name, state and durations, from Prefect's API."""
+    return ast.literal_eval(_run(ws, sys.executable, "-c", FLOW_RUN_TIMES).strip().splitlines()[-1])
+
+
 def prefect_rounds(ws: Path, t: int, rounds: int) -> list[dict]:
     """Iteration t forced, interleaved: ``dvc repro`` (the six stages, as the flow runs them),
     ``prefect deployment run hacrl/iterate --watch`` and ``hacrl iterate`` (the same deployment
@@ -148,13 +153,11 @@ def prefect_rounds(ws: Path, t: int, rounds: int) -> list[dict]:
             _run(ws, "prefect", "deployment", "run", "hacrl/iterate", "--watch", "--watch-interval", "1",
                  "--param", f"iteration={t}", "--param", "force=true")
             row["prefect_cli_s"] = round(time.perf_counter() - t0, 1)
-            row["prefect_cli_flow_run"] = ast.literal_eval(_run(ws, sys.executable, "-c", FLOW_RUN_TIMES).strip()
-                                                           .splitlines()[-1])
+            row["prefect_cli_flow_run"] = last_flow_run(ws)
             t0 = time.perf_counter()
             _run(ws, sys.executable, "-m", "hacrl.cli", "iterate", "--iteration", str(t), "--force")
             row["hacrl_iterate_s"] = round(time.perf_counter() - t0, 1)
-            row["hacrl_iterate_flow_run"] = ast.literal_eval(_run(ws, sys.executable, "-c", FLOW_RUN_TIMES).strip()
-                                                             .splitlines()[-1])
+            row["hacrl_iterate_flow_run"] = last_flow_run(ws)
             print("prefect round", r + 1, row, flush=True)
             out.append(row)
         return out

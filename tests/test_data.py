@@ -3,8 +3,9 @@ from fractions import Fraction
 
 import pytest
 
+from hacrl.config.schema import FieldsConfig
 from hacrl.errors import DataError
-from hacrl.task import data
+from hacrl.task import data, sources
 from hacrl.task.data import load_problems
 
 LEVELS = {"add": 1, "sub": 1, "add3": 1, "mul": 1, "frac": 1}
@@ -53,10 +54,11 @@ def test_loader_reads_jsonl_and_parquet(tmp_path):
     import pandas as pd
 
     rows = [{"problem": "What is 2+2?", "answer": "4"}, {"problem": "Half of 3?", "answer": 1.5}]
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "a.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
     pd.DataFrame(rows[:1]).to_parquet(tmp_path / "a.parquet")
     got, skipped = data.load_problems(tmp_path / "a.jsonl")
     assert [g["answer"] for g in got] == ["4", "1.5"] and skipped == 0
+    assert [g["id"] for g in got] == ["a-000001", "a-000003"]  # an id without one names its line
     got, _ = data.load_problems(tmp_path / "a.parquet")
     assert got[0]["problem"] == "What is 2+2?"
 
@@ -126,7 +128,7 @@ def test_a_line_that_is_not_utf8_is_named_and_skip_skips_it(tmp_path):
 
 
 def test_oversized_problems_answers_and_lines_are_refused_before_they_cost_memory(tmp_path):
-    from hacrl.task.data import MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS
+    from hacrl.task.sources import MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS
 
     f = tmp_path / "t.jsonl"
     rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "x" * (MAX_PROBLEM_CHARS + 1), "answer": "1"},
@@ -165,7 +167,7 @@ def test_verl_parquet_takes_the_last_user_message_and_the_ground_truth(tmp_path)
     d = params.compose(["data=parquet", f"data.train_path={f}", f"data.heldout_path={f}"])["data"]
     assert (d["format"], d["fields"]["problem"], d["fields"]["answer"]) == ("parquet", "prompt",
                                                                            "reward_model.ground_truth")
-    got, skipped = load_problems(f, "error", d["format"], data.FieldMap(**d["fields"]), d["answer_format"])
+    got, skipped = load_problems(f, "error", d["format"], FieldsConfig(**d["fields"]), d["answer_format"])
     assert skipped == 0 and [g["answer"] for g in got] == ["2", "4", "6", "8"]
     assert got[0]["problem"].startswith("What is 1+1? Let's think") and got[0]["id"] == "1"
     assert got[0]["level"] == "openai/gsm8k"
@@ -174,8 +176,8 @@ def test_verl_parquet_takes_the_last_user_message_and_the_ground_truth(tmp_path)
     rows[2]["prompt"] = [{"role": "system", "content": "hi"}]
     pq.write_table(pa.Table.from_pylist(rows), f)
     with pytest.raises(DataError, match=rf"^{f}: row 3: field 'prompt': a chat without a user message"):
-        load_problems(f, "error", "parquet", data.FieldMap(**d["fields"]), "raw")
-    got, skipped = load_problems(f, "skip", "parquet", data.FieldMap(**d["fields"]), "raw")
+        load_problems(f, "error", "parquet", FieldsConfig(**d["fields"]), "raw")
+    got, skipped = load_problems(f, "skip", "parquet", FieldsConfig(**d["fields"]), "raw")
     assert len(got) == 3 and skipped == 1
 
 
@@ -186,7 +188,7 @@ def test_hf_disk_directory_is_read_with_load_from_disk(tmp_path):
              "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"},
             {"question": "A big number?", "answer": "It is 1,000 plus 234.\n#### 1,234"}]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "gsm8k"))
-    fields = data.FieldMap(problem="question", answer="answer")
+    fields = FieldsConfig(problem="question", answer="answer")
     got, _ = load_problems(tmp_path / "gsm8k", fmt="hf_disk", fields=fields, answer_format="gsm8k")
     assert [g["answer"] for g in got] == ["72", "1234"] and got[0]["problem"].startswith("Natalia")
     assert [g["id"] for g in got] == ["gsm8k-000001", "gsm8k-000002"]
@@ -211,7 +213,7 @@ def test_jsonl_field_mapping_and_math_boxed_gold(tmp_path):
              "solution": "First \\boxed{3} is wrong; $4^2 = 16$, so the answer is $\\boxed{4}$."},
             {"uid": "m3", "question": "Nested?", "type": "Algebra", "solution": "\\boxed{\\{1, {2}\\}}"}]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    fields = data.FieldMap(id="uid", problem="question", answer="solution", level="type")
+    fields = FieldsConfig(id="uid", problem="question", answer="solution", level="type")
     got, _ = load_problems(f, fields=fields, answer_format="boxed")
     assert [(g["id"], g["answer"], g["level"]) for g in got] == [
         ("m1", "\\frac{1}{2}", "Prealgebra"), ("m2", "4", "Algebra"), ("m3", "\\{1, {2}\\}", "Algebra")]
@@ -232,12 +234,12 @@ def test_duplicate_task_ids_are_refused_with_both_places(tmp_path):
 
 
 def test_gold_extraction_shapes():
-    assert data.last_boxed("a \\boxed{1} b \\boxed{2}") == "2"
-    assert data.last_boxed("\\fbox{x^{2}}") == "x^{2}"
-    assert data.last_boxed("\\boxed{unclosed") is None and data.last_boxed("none") is None
-    assert data.gsm8k_answer("so 3 + 4 = 7\n#### 7") == "7"
-    assert data.gsm8k_answer("#### 1,234,567") == "1234567" and data.gsm8k_answer("#### -3.5") == "-3.5"
-    assert data.gsm8k_answer("no marker") is None and data.gsm8k_answer("####  ") is None
+    assert sources.last_boxed("a \\boxed{1} b \\boxed{2}") == "2"
+    assert sources.last_boxed("\\fbox{x^{2}}") == "x^{2}"
+    assert sources.last_boxed("\\boxed{unclosed") is None and sources.last_boxed("none") is None
+    assert sources.gsm8k_answer("so 3 + 4 = 7\n#### 7") == "7"
+    assert sources.gsm8k_answer("#### 1,234,567") == "1234567" and sources.gsm8k_answer("#### -3.5") == "-3.5"
+    assert sources.gsm8k_answer("no marker") is None and sources.gsm8k_answer("####  ") is None
 
 
 def test_prepare_data_reads_a_saved_dataset_through_the_config(tmp_path, monkeypatch):

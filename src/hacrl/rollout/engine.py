@@ -145,4 +145,3 @@ def cut_at_stop(comps: list[Completion], tokenizer, stop: tuple[str, ...] | list
         out.append(dataclasses.replace(c, token_ids=ids, logprobs=c.logprobs[:lo], text=text_of(ids),
                                        finish_reason="stop"))
     return out
-

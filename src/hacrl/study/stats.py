@@ -24,6 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scipy import stats
+
 
 @dataclass(frozen=True)
 class PairedT:
@@ -54,12 +56,6 @@ class PairedT:
                 f"df {self.df})")
 
 
-def _t():
-    from scipy import stats
-
-    return stats.t
-
-
 def paired_t(diffs: Sequence[float], level: float = 0.95) -> PairedT:
     """The mean of ``diffs`` with its t interval (at least two differences)."""
     n = len(diffs)
@@ -69,12 +65,8 @@ def paired_t(diffs: Sequence[float], level: float = 0.95) -> PairedT:
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
     se = sd / math.sqrt(n)
     df = n - 1
-    t = _t()
-    q = float(t.ppf(0.5 + level / 2, df))
-    if se == 0:
-        p = 1.0 if mean == 0 else 0.0
-    else:
-        p = float(2 * t.sf(abs(mean) / se, df))
+    q = float(stats.t.ppf(0.5 + level / 2, df))
+    p = (1.0 if mean == 0 else 0.0) if se == 0 else float(2 * stats.t.sf(abs(mean) / se, df))
     return PairedT(n, mean, se, df, mean - q * se, mean + q * se, p, level)
 
 
@@ -109,7 +101,7 @@ def tost(diffs: Sequence[float], margin: float, alpha: float = 0.05) -> Equivale
     if margin <= 0:
         raise ValueError(f"an equivalence margin must be > 0, got {margin}")
     r = paired_t(diffs, 1 - 2 * alpha)
-    t = _t()
+    t = stats.t
     if r.se == 0:
         p = 0.0 if abs(r.mean) < margin else 1.0
     else:
@@ -125,8 +117,6 @@ def detectable_effect(sd: float, n: int, power: float = 0.8, alpha: float = 0.05
     distribution, solved by bisection)."""
     if n < 2:
         raise ValueError(f"needs at least 2 differences, got {n}")
-    from scipy import stats
-
     df = n - 1
     crit = float(stats.t.ppf(1 - alpha / 2, df))
     se = sd / math.sqrt(n)

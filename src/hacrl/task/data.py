@@ -17,10 +17,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+from hacrl.config.schema import FieldsConfig
 from hacrl.errors import DataError
 from hacrl.task import sources
-from hacrl.task.sources import (MAX_ANSWER_CHARS, MAX_LINE_BYTES, MAX_PROBLEM_CHARS, FieldMap,  # noqa: F401
-                                gsm8k_answer, last_boxed)
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def generate_split(split: str, size: int, levels: dict[str, float], max_operand:
 
 
 def load_problems(path: str | Path, on_bad_row: str = "error", fmt: str = "auto",
-                  fields: FieldMap | None = None, answer_format: str = "raw") -> tuple[list[Problem], int]:
+                  fields: FieldsConfig | None = None, answer_format: str = "raw") -> tuple[list[Problem], int]:
     """Load the problems of a task file (JSONL, Parquet or a ``datasets.save_to_disk``
     directory; ``hacrl.task.sources``), fields mapped by ``fields``, the gold answer taken from
     its field as ``answer_format`` says.
@@ -121,11 +120,11 @@ def load_problems(path: str | Path, on_bad_row: str = "error", fmt: str = "auto"
     ``on_bad_row`` says (a later stage joins rows by id).
     """
     path = Path(path)
-    fields = fields or FieldMap()
+    fields = fields or FieldsConfig()
     out: list[Problem] = []
     first: dict[str, str] = {}  # id -> where it first appeared
     skipped = 0
-    for n, (where, rec) in enumerate(sources.read_rows(path, fmt), 1):
+    for where, n, rec in sources.read_rows(path, fmt):
         got = sources.to_problem(rec, fields, answer_format, f"{path.stem}-{n:06d}")
         if isinstance(got, str):
             if on_bad_row == "skip":

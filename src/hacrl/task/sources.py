@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from hacrl.config.schema import FieldsConfig
 from hacrl.errors import DataError
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
@@ -42,16 +42,6 @@ MAX_FIELD_CHARS = 65_536
 _BATCH_ROWS = 1024  # Parquet rows decoded at a time: memory does not grow with the file
 
 
-@dataclass(frozen=True)
-class FieldMap:
-    """Which field of a row is what (dotted names reach into nested objects); ``None``: absent."""
-
-    id: str | None = "id"
-    problem: str = "problem"
-    answer: str = "answer"
-    level: str | None = "level"
-
-
 def detect_format(path: Path) -> str:
     """``auto``'s choice for ``path``."""
     if path.is_dir():
@@ -59,9 +49,10 @@ def detect_format(path: Path) -> str:
     return "parquet" if path.suffix.lower() in (".parquet", ".pq") else "jsonl"
 
 
-def read_rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
-    """``(where, row)`` per row of the file: ``where`` is ``file:line`` (JSONL) or ``file: row
-    N``; ``row`` a dict, or a :class:`DataError` for a row that could not be read."""
+def read_rows(path: Path, fmt: str) -> Iterator[tuple[str, int, object]]:
+    """``(where, number, row)`` per row of the file: ``where`` is ``file:line`` (JSONL) or
+    ``file: row N``, ``number`` that line or row number (a row's default id); ``row`` a dict, or a
+    :class:`DataError` for a row that could not be read."""
     if not path.exists():
         raise DataError(f"{path}: file does not exist")
     fmt = detect_format(path) if fmt == "auto" else fmt
@@ -78,25 +69,25 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[str, object]]:
         raise DataError(f"{path}: unknown format {fmt!r} (one of {', '.join(FORMATS)})")
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, object]]:
     with open(path, "rb") as f:
         for i, (raw, size) in enumerate(_capped_lines(f, MAX_LINE_BYTES), 1):
             where = f"{path}:{i}"
             if raw is None:  # never held in memory, never parsed: a task row is not megabytes long
-                yield where, DataError(f"{where}: line of {size:,} bytes, over the {MAX_LINE_BYTES:,}-byte "
+                yield where, i, DataError(f"{where}: line of {size:,} bytes, over the {MAX_LINE_BYTES:,}-byte "
                                        "limit of a task row")
                 continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield where, DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+                yield where, i, DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
                 continue
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, i, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, DataError(f"{where}: invalid JSON ({e.msg})")
+                yield where, i, DataError(f"{where}: invalid JSON ({e.msg})")
 
 
 def _capped_lines(f, cap: int):
@@ -118,24 +109,20 @@ def _capped_lines(f, cap: int):
         yield None, size
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _parquet_rows(path: Path) -> Iterator[tuple[str, int, object]]:
     import pyarrow.parquet as pq
 
+    n = 0
     try:
-        pf = pq.ParquetFile(path)
-        batches = pf.iter_batches(batch_size=_BATCH_ROWS)
-        n = 0
-        for batch in batches:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS):
             for rec in batch.to_pylist():
                 n += 1
-                yield f"{path}: row {n}", rec
-    except DataError:
-        raise
+                yield f"{path}: row {n}", n, rec
     except Exception as e:  # noqa: BLE001 - any reader failure is a malformed file
         raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
-def _hf_disk_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _hf_disk_rows(path: Path) -> Iterator[tuple[str, int, object]]:
     if not path.is_dir():
         raise DataError(f"{path}: not a directory; data.format=hf_disk reads what datasets' save_to_disk wrote")
     try:
@@ -151,7 +138,7 @@ def _hf_disk_rows(path: Path) -> Iterator[tuple[str, object]]:
         raise DataError(f"{path}: a DatasetDict with splits {splits}; name one split's directory, e.g. "
                         f"data.train_path={path / next(iter(ds))}")
     for i, rec in enumerate(ds, 1):
-        yield f"{path}: row {i}", rec
+        yield f"{path}: row {i}", i, rec
 
 
 def field(rec: dict, name: str) -> object:
@@ -176,33 +163,29 @@ def chat_problem(value: object) -> object:
     return value
 
 
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
 def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces
-    balanced; None without one."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    while start >= 0:
-        i = text.find("{", start)
-        if i >= 0 and not text[start + 1:i].strip("boxedfb "):
-            depth = 0
-            for j in range(i, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[j], 0)
-                if depth == 0:
-                    return text[i + 1:j]
-            return None  # unbalanced
-        start = max(text.rfind("\\boxed", 0, start), text.rfind("\\fbox", 0, start))
+    balanced; None without one (or when it is not closed)."""
+    opens = [m.end() for m in _BOX.finditer(text)]
+    if not opens:
+        return None
+    depth = 1
+    for j in range(opens[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[opens[-1]:j]
     return None
-
-
-_GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
 def gsm8k_answer(text: str) -> str | None:
     """What follows the last ``####`` of a GSM8K solution, thousands separators dropped."""
-    m = _GSM8K.search(text[text.rfind("####"):]) if "####" in text else None
-    if m is None:
+    if "####" not in text:
         return None
-    ans = m.group(1).strip()
-    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", ans) or None
+    ans = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.rpartition("####")[2].strip())
+    return ans or None
 
 
 def extract_answer(value: object, answer_format: str) -> str | None:
@@ -219,7 +202,7 @@ def extract_answer(value: object, answer_format: str) -> str | None:
     return got.strip() if got is not None and got.strip() else None
 
 
-def to_problem(rec: object, fields: FieldMap, answer_format: str, default_id: str) -> dict | str:
+def to_problem(rec: object, fields: FieldsConfig, answer_format: str, default_id: str) -> dict | str:
     """The task's problem dict from one row, or a string saying why the row does not fit."""
     if isinstance(rec, DataError):
         return str(rec)

@@ -29,7 +29,7 @@ def prepare_data(cfg: Config) -> StageResult:
         }
         skipped = {}
     else:
-        how = dict(fmt=d.format, fields=task_data.FieldMap(**vars(d.fields)), answer_format=d.answer_format)
+        how = dict(fmt=d.format, fields=d.fields, answer_format=d.answer_format)
         train, s1 = task_data.load_problems(d.train_path, d.on_bad_row, **how)
         held, s2 = task_data.load_problems(d.heldout_path, d.on_bad_row, **how)
         r = random.Random(f"{seed}/dev")

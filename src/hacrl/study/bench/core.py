@@ -197,6 +197,18 @@ def machine() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
+def as_stage_process(fn: Callable[[], Any]) -> Any:
+    """``fn()`` as ``hacrl stage`` runs a stage under ``dvc repro`` or Prefect: its engine
+    processes and verifier workers are the workspace engine host's."""
+    from hacrl.pipeline.engines import serve_from_host
+
+    serve_from_host(True)
+    try:
+        return fn()
+    finally:
+        serve_from_host(False)
+
+
 def compare(contenders: list[Contender], reps: int, warmup: bool = True) -> dict[str, Measured]:
     """Warm each contender up once, then run ``reps`` interleaved rounds; return the figures."""
     secs: dict[str, list[float]] = {c.name: [] for c in contenders}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hacrl.study.bench.core import Contender, Goal, SuiteResult, compare
+from hacrl.study.bench.core import Contender, Goal, SuiteResult, as_stage_process, compare
 from hacrl.study.bench.workspace import workspace
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,6 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
             return {"units": sum(a["eval_n"] for a in m["agents"].values()),
                     "accuracy": {k: round(a["eval_accuracy"], 4) for k, a in m["agents"].items()}}
 
-        def hosted() -> dict:
-            from hacrl.pipeline.engines import serve_from_host
-
-            serve_from_host(True)  # as a stage process under dvc repro or Prefect runs it
-            try:
-                return stage()
-            finally:
-                serve_from_host(False)
-
         def settled() -> None:
             """Untimed: wait until the host's restocked verifier workers finished their imports
             (under dvc repro they import during the stages between two evaluations), so that no
@@ -84,7 +75,7 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
         try:
             measured = compare([Contender("stage", lambda _: stage(), "evaluate: greedy generate + math-verify + "
                                           "metrics", setup=settled),
-                                Contender("stage_hosted", lambda _: hosted(), "the same, verifier workers from "
+                                Contender("stage_hosted", lambda _: as_stage_process(stage), "the same, verifier workers from "
                                           "the engine host (as under dvc repro / Prefect)", setup=settled),
                                 Contender("bare_generate", lambda _: bare_greedy(cfg, 0),
                                           "transformers greedy generate, same batches, no checking",

@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from hacrl.study.bench.core import Contender, Goal, SuiteResult, compare
+from hacrl.study.bench.core import Contender, Goal, SuiteResult, as_stage_process, compare
 from hacrl.study.bench.rollout import bare_generate
 from hacrl.study.bench.workspace import workspace
 
@@ -66,22 +66,13 @@ def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> Suit
                 out["generate_tokens_per_s"] = res["generate_tokens_per_s"]
             return out
 
-        def hosted() -> dict:
-            from hacrl.pipeline.engines import serve_from_host
-
-            serve_from_host(True)  # as a stage process under dvc repro or Prefect runs it
-            try:
-                return stage(vl)
-            finally:
-                serve_from_host(False)
-
         contenders = [Contender("stage", lambda: stage(cfg), "generate-rollouts, transformers engine"),
                       Contender("bare_generate", lambda: bare_generate(cfg, t),
                                 "transformers generate, same batches and seeds")]
         if has_vllm:
             contenders.append(Contender("stage_vllm", lambda: stage(vl),
                                         "generate-rollouts, vLLM engine (worker started and stopped in the call)"))
-            contenders.append(Contender("stage_vllm_hosted", hosted,
+            contenders.append(Contender("stage_vllm_hosted", lambda: as_stage_process(lambda: stage(vl)),
                                         "generate-rollouts, vLLM engine, the engine host's warm worker "
                                         "(as hacrl stage runs it)"))
         try:
