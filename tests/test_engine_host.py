@@ -106,6 +106,25 @@ def _gap(ws: Path, agent: str) -> float:
     return float(max(gaps))
 
 
+def _difference(before: Path, after: Path) -> str:
+    """Which agent's rollouts differ, and how: token sequences, largest log-prob difference."""
+    from hacrl.exchange.experience import read_records
+
+    lines = []
+    for f in sorted(before.glob("*.parquet")):
+        a, b = read_records(f, "rollout"), read_records(after / f.name, "rollout")
+        if len(a) != len(b):
+            lines.append(f"{f.stem}: {len(a)} vs {len(b)} rollouts")
+            continue
+        other = sum(list(x) != list(y) for x, y in zip(a["response_token_ids"], b["response_token_ids"]))
+        gaps = [max((abs(u - v) for u, v in zip(x, y)), default=0.0)
+                for x, y, tx, ty in zip(a["response_logprobs"], b["response_logprobs"], a["response_token_ids"],
+                                        b["response_token_ids"]) if list(tx) == list(ty)]
+        lines.append(f"{f.stem}: {other} of {len(a)} responses with other tokens, largest log-prob difference on "
+                     f"the same tokens {max(gaps, default=0.0):.3g}")
+    return "rollouts after the kill differ from those before it: " + "; ".join(lines)
+
+
 @pytest.fixture
 def ws(tmp_path):
     if not vllm_python(".venv-vllm/bin/python").exists():
@@ -113,6 +132,8 @@ def ws(tmp_path):
             pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")
         pytest.skip("no vLLM environment (make setup-vllm)")
     ws = dvc_workspace(tmp_path / "ws", ITEMS)
+    engine_host.stop(ws)  # a host left by an earlier test at this path (same path, same socket)
+    engine_host.socket_path(ws).with_suffix(".log").unlink(missing_ok=True)
     os.symlink(PROJECT / ".venv-vllm", ws / ".venv-vllm")
     shutil.copy(PROJECT / ".dvc" / "config", ws / ".dvc" / "config")  # the project's cache links
     _run(ws, sys.executable, "-m", "hacrl.cli", "config", *TINY)
@@ -157,6 +178,8 @@ def test_engines_outlive_stages_follow_the_checkpoint_and_survive_a_killed_host(
     assert edited != first
 
     # 3. kill -9 of the host mid-stage, then the rerun: identical outputs
+    kept = ws.parent / "edited_rollouts"  # for the message below, should they differ
+    shutil.copytree(ws / "runs" / "it1" / "rollouts", kept)
     host_pid = engine_host.status(ws)["pid"]
     old_workers = set(_workers())
     n = len(_sessions(_host_log(ws)))
@@ -170,7 +193,7 @@ def test_engines_outlive_stages_follow_the_checkpoint_and_survive_a_killed_host(
     if proc.returncode != 0:  # it may fail; if so, in words, and a rerun runs it
         assert "engine host" in out or "vLLM" in out, out[-3000:]
         _dvc(ws, "repro", "--single-item", STAGE)
-    assert _rollouts_md5(ws) == edited
+    assert _rollouts_md5(ws) == edited, _difference(kept, ws / "runs" / "it1" / "rollouts") + "\n" + out[-2000:]
     assert engine_host.status(ws)["pid"] != host_pid
     deadline = time.time() + 60
     while old_workers & set(_workers()) and time.time() < deadline:

@@ -255,3 +255,38 @@ def test_peer_eos_decides_the_eos_on_both_sides(peer_eos, tiny_problems):
         assert ad.ids == body + [dst.eos_token_id] and ad.alignment.aligned[-1] == -2.0
         assert ad.behavior_mean == pytest.approx(sum(lps) / len(lps))
     assert ad.alignment.aligned_mass == pytest.approx(ad.alignment.source_mass) and ad.exact
+
+
+def test_the_oracle_stream_injects_the_gold_completion_on_the_same_rows(published, tiny_problems):
+    """``content: gold`` (SGT's oracle control): the same peer rows as the peers' responses, so
+    the same gates, but each carries the task's gold completion in the learner's own tokens."""
+    from hacrl.agents.pool import train_tokenizer
+    from hacrl.config.schema import ThlConfig, TokenizerConfig
+    from hacrl.exchange.experience import LearnerView, subscribe
+    from hacrl.task.data import completion_text
+
+    corpus = ["Q: " + p["problem"] + "\nA:" + completion_text(p["answer"]) for p in tiny_problems["train"]]
+    tok = train_tokenizer(TokenizerConfig(kind="bytelevel_bpe", vocab_size=300), corpus)
+    toks = dict.fromkeys("abc", tok)
+    view = LearnerView("a", tok, "Q: {problem}\nA:")
+    streams = [StreamConfig("trajectory", "self"), StreamConfig("verified_success", "peers")]
+    peer = subscribe(published, view, streams, toks, ThlConfig())
+    with pytest.raises(ValueError, match="gold"):  # the stage always passes the task's completions
+        subscribe(published, view, [streams[0], StreamConfig("verified_success", "peers", content="gold")], toks, ThlConfig())
+    gold = subscribe(published, view, [streams[0], StreamConfig("verified_success", "peers", content="gold")], toks,
+                     ThlConfig(), gold_text=lambda rec: completion_text(rec.gold))
+    cross = lambda df: df[~df["is_self"].astype(bool)]  # noqa: E731
+    assert list(cross(gold.rows)["record_id"]) == list(cross(peer.rows)["record_id"]) == ["it1/b/p1/1", "it1/c/p1/2"]
+    want = tok(" \\boxed{2}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert [list(x) for x in cross(gold.rows)["input_response_ids"]] == [want, want]
+    assert [list(x) for x in cross(peer.rows)["input_response_ids"]] != [want, want]  # the peers wrote \boxed{1}, \boxed{2}
+    assert (cross(gold.rows)["response_text"] == " \\boxed{2}").all()
+    assert cross(gold.rows)["behavior_logprob_mean"].isna().all() and not gold.alignments
+    # the learner's own rows are untouched
+    own = lambda df: df[df["is_self"].astype(bool)].reset_index(drop=True)  # noqa: E731
+    pd.testing.assert_frame_equal(own(gold.rows), own(peer.rows))
+    data = params.compose(["algorithm=sgt_oracle"])
+    assert data["algorithm"]["subscription"][1]["content"] == "gold" and data["algorithm"]["name"] == "sgt_oracle"
+    data["algorithm"]["subscription"].append({"record_type": "reward_stats", "producers": "peers", "content": "gold"})
+    with pytest.raises(ConfigError, match=r"content: invalid value 'gold' \(gold only on a trajectory"):
+        params.from_dict(data)

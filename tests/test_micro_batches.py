@@ -92,12 +92,17 @@ def _cfg(root, algo, *extra):
 _ITERATIONS: dict = {}
 
 
-def _iteration(pool, algo):
+def _fixed_rewards(df):
+    n = df["record_id"].map(lambda r: sum(map(ord, r)))
+    return ((n % 3) == 0).astype(float)
+
+
+def _iteration(pool, algo, rewards=_fixed_rewards, tag=""):
     """Iteration 1 of ``algo`` up to its update, rewards set to a fixed pattern (the barely
-    warmed-up tiny pool scores 0, which trains nothing)."""
-    if algo in _ITERATIONS:
-        return _ITERATIONS[algo]
-    root = pool / algo
+    warmed-up tiny pool scores 0, which trains nothing; ``rewards``: verdict rows -> 0/1)."""
+    if (algo, tag) in _ITERATIONS:
+        return _ITERATIONS[(algo, tag)]
+    root = pool / (algo + tag)
     cfg = _cfg(root, algo, "algorithm.kl_coef=0.05") if algo == "grpo" else _cfg(root, algo)
     lay = RunLayout(cfg.experiment.runs_dir)
     shutil.copytree(pool / "base" / "runs" / "it0", lay.it(0))
@@ -109,15 +114,14 @@ def _iteration(pool, algo):
         for a in cfg.agents:
             f = lay.rewards(1) / f"{a.name}.parquet"
             df = read_records(f, "verdict")
-            n = df["record_id"].map(lambda r: sum(map(ord, r)))
-            df["reward"] = ((n % 3) == 0).astype(float)
+            df["reward"] = rewards(df)
             df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
             write_records(f, df, "verdict")
         table.run("exchange-and-align", cfg, 1)
         table.run("compute-capability-stats", cfg, 1)
     finally:
         os.chdir(cwd)
-    _ITERATIONS[algo] = (root, cfg)
+    _ITERATIONS[(algo, tag)] = (root, cfg)
     return root, cfg
 
 
@@ -246,3 +250,37 @@ def test_bf16_accumulates_micro_batches_in_fp32_and_needs_deepspeed(pool):
     assert all(str(v.dtype) == "torch.bfloat16" for v in w.values() if v.is_floating_point())
     with pytest.raises(ConfigError, match=r"^trainer.backend: invalid value 'torch' \(bf16 needs the deepspeed backend"):
         params.from_dict(params.compose([*SMOKE, "trainer.dtype=bf16", "trainer.backend=torch"]))
+
+
+def test_the_oracle_rows_train_through_the_update(pool):
+    """SGT's oracle (``content: gold``): the learner input holds the gold completion where SGT's
+    holds the peers' text, on the same rows; the update injects them under the same gate, with
+    finite figures although the rows have no behaviour log-probs."""
+    import math
+
+    from hacrl.task.data import completion_text
+
+    def gated(df):  # the first agent wrong on every other prompt, where its peer succeeds once
+        first = df["producer"] == "gpt2-a"
+        odd = df["prompt_id"].map(lambda p: sum(map(ord, p)) % 2 == 1)
+        return (~first & odd & (df["record_id"].str.endswith("/0"))).astype(float) + _fixed_rewards(df) * (first & ~odd)
+
+    sgt_root, sgt_cfg = _iteration(pool, "sgt", gated, "-gated")
+    root, cfg = _iteration(pool, "sgt_oracle", gated, "-gated")
+    name = cfg.agents[0].name
+    rows = read_records(RunLayout(cfg.experiment.runs_dir).learner_input(1, name), "learner_input")
+    peer = read_records(RunLayout(sgt_cfg.experiment.runs_dir).learner_input(1, name), "learner_input")
+    cross, cross_peer = rows[~rows["is_self"]], peer[~peer["is_self"]]
+    assert len(cross) > 0 and list(cross["record_id"]) == list(cross_peer["record_id"])
+    assert list(cross["response_text"]) == [completion_text(g) for g in cross["gold"]]
+    assert (cross["finish_reason"] == "gold").all() and cross["behavior_logprob_mean"].isna().all()
+    fired = 0
+    for ac in cfg.agents:
+        stats, _ = _update(root, cfg, ac.name, "oracle")
+        sgt_stats, _ = _update(sgt_root, sgt_cfg, ac.name, "oracle-sgt")
+        assert stats["rescues"] == sgt_stats["rescues"]  # the same gate fires
+        assert all(math.isfinite(v) for k, v in stats.items() if isinstance(v, float) and k != "rescue_nll"), stats
+        if stats["rescues"] > 0:
+            fired += 1
+            assert stats["loss"] != sgt_stats["loss"]  # other tokens injected
+    assert fired, f"no rescue in this batch: the test checks nothing {stats}"

@@ -186,7 +186,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     contenders = args.contenders.split(",") if args.contenders else None
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
-                    resume=args.resume, dry_run=args.dry_run)
+                    resume=args.resume, dry_run=args.dry_run, tune=args.tune, tune_seeds=args.tune_seeds,
+                    warmups=args.warmups)
     print(out if args.dry_run else f"report: {out / 'README.md'}")
     return 0
 
@@ -339,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("--resume", action="store_true",
                     help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
     cp.add_argument("--dry-run", action="store_true", help="validate every contender's config and print the plan")
+    cp.add_argument("--tune", action="append", default=None, metavar="KEY=V1,V2",
+                    help="choose this setting per contender on the dev split first (repeat for a grid), "
+                         "e.g. --tune trainer.lr=1e-4,3e-4,5e-4")
+    cp.add_argument("--tune-seeds", type=int, default=2, help="seeds of the dev sweep (1000, 1001, ...)")
+    cp.add_argument("--warmups", type=int, default=1,
+                    help="warm-up pools: seed s starts from pool s mod WARMUPS (pool w > 0: experiment.pool_seed=w)")
     cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
     cp.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="benchmark a stage against what users would run instead; "

@@ -92,12 +92,13 @@ def _canonical_unigram(tok, n_special: int):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def build_model(agent: AgentConfig, tokenizer):
-    """A freshly initialised causal LM from the agent's transformers config."""
+def build_model(agent: AgentConfig, tokenizer, seed: int = 0):
+    """A freshly initialised causal LM from the agent's transformers config (initial weights
+    drawn with ``seed``)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     common = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
                   # untied: vLLM's in-place weight reload is only exact without tied embeddings

@@ -123,6 +123,10 @@ class ExperimentConfig(Settings):
     """The experiment's name: MLflow experiment, registered-model prefix, Prefect artifact key."""
     seed: int = setting(0, ge=0)
     """Master seed: task data, warm-up, prompt choice per iteration and sampling derive from it."""
+    pool_seed: int | None = setting(None, ge=0)
+    """Seed of the pool alone: an embedded agent's initial weights and every agent's warm-up
+    (null: the initial weights' fixed seed 0 and ``experiment.seed`` for the warm-up). The task data
+    stay those of ``experiment.seed``: a comparison varies warm-up pools on the same problems."""
     iterations: int = setting(6, ge=1)
     """Number of RL iterations; each one is the six stages. Raising it runs only new ones."""
     threads: int = setting(2, ge=1)
@@ -298,10 +302,17 @@ class StreamConfig(Settings):
     """Whose records: ``self`` (the learner's own), ``peers`` (every other agent's) or ``all``."""
     verdicts: list[str] | None = None
     """Keep only records with these verdicts (``[correct]``: verified only); null keeps all."""
+    content: str = setting("response", choices=("response", "gold"))
+    """What a peer row carries: the peer's ``response`` (retokenised and aligned by THL), or the
+    task's ``gold`` completion for the row's problem (the text the warm-up teaches, in the
+    learner's own tokens; no producer trace) -- the oracle control: the same rows, hence the same
+    gates, but the answer injected rather than a peer's text. Own rows are always their own."""
 
     def check(self) -> None:
         check(self.verdicts is None or bool(self.verdicts), "verdicts", self.verdicts,
               "null or a non-empty list of verdicts")
+        check(self.content == "response" or self.record_type in ("trajectory", "verified_success"), "content",
+              self.content, "gold only on a trajectory or verified_success stream")
 
 
 @dataclass
@@ -487,6 +498,10 @@ class EvalConfig(Settings):
     """Sequences per generate call."""
     max_new_tokens: int = setting(20, ge=1)
     """Response budget of a held-out answer."""
+    split: str = setting("heldout", choices=("heldout", "dev"))
+    """What is evaluated: the ``heldout`` split, or ``dev`` (carved from train): tuning runs
+    (``hacrl compare --tune``) choose their settings on dev, so held-out is read only for the
+    final report."""
 
 
 # ----------------------------------------------------------------------------- how it runs (no effect on results)

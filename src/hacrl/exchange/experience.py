@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import pyarrow as pa
@@ -326,25 +326,48 @@ def pair_residuals(records: pd.DataFrame, source_tokenizer, learner_tokenizer, t
     return thl.residual_summary([a.alignment for a in ads], [a.exact for a in ads])
 
 
+def _gold_responses(peers: pd.DataFrame, learner: LearnerView, thl_cfg,
+                    gold_text: Callable[[Any], str]) -> tuple[pd.DataFrame, list[list[int]], list[bool]]:
+    """The oracle's peer rows (``content: gold``): each row's response is the task's gold
+    completion for its problem, encoded by the learner's own tokenizer (with its EOS where THL
+    keeps a stopped peer's). There is no producer trace: the producer's ids and log-probs are
+    empty and ``finish_reason`` is ``gold``."""
+    from hacrl.exchange import thl
+
+    peers = peers.copy()
+    texts = [gold_text(rec) for rec in peers.itertuples(index=False)]
+    enc = [thl.retokenize(learner.tokenizer, x, append_eos=thl_cfg.peer_eos == "keep_if_stopped") for x in texts]
+    peers["response_text"] = texts
+    peers["response_token_ids"] = [[] for _ in texts]
+    peers["response_logprobs"] = [[] for _ in texts]
+    peers["finish_reason"] = "gold"
+    return peers, [e.ids for e in enc], [e.exact for e in enc]
+
+
 def _peer_rows(records: pd.DataFrame, learner: LearnerView, source_tokenizers: dict[str, Any], thl_cfg,
-               out: LearnerInput) -> pd.DataFrame:
+               out: LearnerInput, gold_text: Callable[[Any], str] | None = None) -> pd.DataFrame:
     """Peer rows in the learner's tokens (THL): retokenised text, the learner's template for the
-    prompt, and the producer's log-prob trace aligned onto the learner's tokens."""
+    prompt, and the producer's log-prob trace aligned onto the learner's tokens. With
+    ``gold_text``, the rows carry the gold completion instead (:func:`_gold_responses`), and the
+    behaviour log-probs are NaN."""
     tok = learner.tokenizer
     peers = records.copy()
-    prompt_ids: dict[str, list[int]] = {}
-    resp_ids, exact, aligned, means = [], [], [], []
-    for rec in peers.itertuples(index=False):
-        if rec.prompt_id not in prompt_ids:
-            prompt_ids[rec.prompt_id] = tok(learner.template.replace("{problem}", rec.problem),
-                                            add_special_tokens=False)["input_ids"]
-        ad = adapt_response(rec, source_tokenizers[rec.producer], tok, thl_cfg)
-        out.alignments.setdefault(rec.producer, []).append(ad.alignment)
-        out.exact.setdefault(rec.producer, []).append(ad.exact)
-        resp_ids.append(ad.ids)
-        exact.append(ad.exact)
-        aligned.append(ad.alignment.aligned)
-        means.append(ad.behavior_mean)
+    prompt_ids = {p: tok(learner.template.replace("{problem}", text), add_special_tokens=False)["input_ids"]
+                  for p, text in dict(zip(peers["prompt_id"], peers["problem"])).items()}
+    if gold_text is not None:
+        peers, resp_ids, exact = _gold_responses(peers, learner, thl_cfg, gold_text)
+        aligned = [[float("nan")] * len(x) for x in resp_ids]
+        means = [float("nan")] * len(resp_ids)
+    else:
+        resp_ids, exact, aligned, means = [], [], [], []
+        for rec in peers.itertuples(index=False):
+            ad = adapt_response(rec, source_tokenizers[rec.producer], tok, thl_cfg)
+            out.alignments.setdefault(rec.producer, []).append(ad.alignment)
+            out.exact.setdefault(rec.producer, []).append(ad.exact)
+            resp_ids.append(ad.ids)
+            exact.append(ad.exact)
+            aligned.append(ad.alignment.aligned)
+            means.append(ad.behavior_mean)
     peers["learner"] = learner.name
     peers["is_self"] = False
     peers["input_prompt_ids"] = [prompt_ids[p] for p in peers["prompt_id"]]
@@ -357,12 +380,13 @@ def _peer_rows(records: pd.DataFrame, learner: LearnerView, source_tokenizers: d
 
 
 def subscribe(published: dict[str, dict[str, pd.DataFrame]], learner: LearnerView, subscription: list,
-              source_tokenizers: dict[str, Any], thl_cfg) -> LearnerInput:
+              source_tokenizers: dict[str, Any], thl_cfg, gold_text: Callable[[Any], str] | None = None) -> LearnerInput:
     """A learner's input from the published records, one stream at a time in declared order.
 
     Trajectory-shaped streams become training rows (own records as generated; peers' through
     THL; peer responses that retokenise to nothing are dropped); other record types become side
-    tables. Deterministic in the published shards, the learner's tokenizer and template.
+    tables. Deterministic in the published shards, the learner's tokenizer and template. A stream
+    with ``content: gold`` needs ``gold_text`` (a record -> the task's gold completion).
     """
     out = LearnerInput(rows=pd.DataFrame(columns=SCHEMAS["learner_input"].names))
     frames = []
@@ -377,7 +401,10 @@ def subscribe(published: dict[str, dict[str, pd.DataFrame]], learner: LearnerVie
         if len(own):
             frames.append(_own_rows(own, learner.name))
         if len(peers):
-            frames.append(_peer_rows(peers, learner, source_tokenizers, thl_cfg, out))
+            gold = stream.content == "gold"
+            if gold and gold_text is None:
+                raise ValueError("a content: gold stream needs the task's gold completions (gold_text)")
+            frames.append(_peer_rows(peers, learner, source_tokenizers, thl_cfg, out, gold_text if gold else None))
     if frames:
         out.rows = pd.concat(frames, ignore_index=True)[SCHEMAS["learner_input"].names]
     return out

@@ -70,6 +70,12 @@ class VLLMProcess:
                    DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(max(1, int(st["kv_cache_gib"]))),
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{max(0, threads - 1)}", OMP_NUM_THREADS=str(threads),
                    TOKENIZERS_PARALLELISM="false",
+                   # vLLM's engine core in the worker's own process: in its own process it starts
+                   # scheduling while a generate call's requests still arrive, so a loaded machine
+                   # batched them otherwise and the log-probs moved in the last bits (seen here:
+                   # 1.3e-5 on a fresh worker started under load); in process, every request of
+                   # the call is queued before the first step
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    # the worker asks torch whether CUDA exists before vLLM forks its engine
                    # process: through NVML, so that CUDA itself is not initialised in the parent
                    PYTORCH_NVML_BASED_CUDA_CHECK="1")

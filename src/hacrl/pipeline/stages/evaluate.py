@@ -51,10 +51,11 @@ class _SerialVerifier:
 
 
 def evaluate(cfg: Config, t: int) -> StageResult:
-    """Greedy pass@1 on the held-out split per agent and level; extends the run history."""
+    """Greedy pass@1 on the held-out split (``eval.split``: or dev) per agent and level; extends
+    the run history."""
     set_threads(cfg)
     lay = layout(cfg)
-    held = split(cfg, "heldout")
+    held = split(cfg, cfg.eval.split)
     update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
     eplan = resource_plan(cfg)  # evaluation generates where the agent's rollouts do
     hooks = LOSSES[cfg.algorithm.loss.name].hooks if t > 0 else None  # the loss's own probes (SGT: its rescues)
@@ -106,7 +107,7 @@ def evaluate(cfg: Config, t: int) -> StageResult:
                        agents={a: numbers({k: v for k, v in m.items() if k in extra.get(a, {})
                                            or k == "train_reward_stderr"}) for a, m in metrics["agents"].items()},
                        evaluated={a.name: str(lay.checkpoint(t, a.name)) for a in cfg.agents},
-                       dataset=Input("heldout", str(lay.tasks / "heldout.jsonl"), "evaluation"))
+                       dataset=Input(cfg.eval.split, str(lay.tasks / f"{cfg.eval.split}.jsonl"), "evaluation"))
 
 
 HEADLINE = ("eval_accuracy", "eval_stderr", "train_reward")

@@ -13,6 +13,7 @@ from hacrl.exchange.experience import LearnerView, pair_residuals, publish, read
 from hacrl.pipeline.common import layout
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.storage import atomic_path, write_json
+from hacrl.task.data import target_text
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ def exchange_and_align(cfg: Config, t: int) -> StageResult:
     stats: dict = {"records": {p: {k: len(v) for k, v in shards.items()} for p, shards in published.items()},
                    "subscription": [dataclasses.asdict(s) for s in a.subscription]}
     residuals: dict[str, dict] = {}
+
+    def gold_text(rec) -> str:  # the oracle's completion (a content: gold stream): the warm-up's target
+        return target_text({"id": rec.prompt_id, "problem": rec.problem, "answer": rec.gold, "level": rec.level},
+                           cfg.data.completion)
+
     with atomic_path(lay.exchange(t), is_dir=True) as tmp:
         def out_of(final: Path) -> Path:  # the same place under the temporary directory
             out = tmp / final.relative_to(lay.exchange(t))
@@ -41,7 +47,7 @@ def exchange_and_align(cfg: Config, t: int) -> StageResult:
                 write_records(out_of(lay.published(t, producer, rtype)), df, rtype)
         for ac in cfg.agents:
             view = LearnerView(ac.name, tokenizers[ac.name], prompt_template(ac, tokenizers[ac.name]))
-            inp = subscribe(published, view, a.subscription, tokenizers, a.thl)
+            inp = subscribe(published, view, a.subscription, tokenizers, a.thl, gold_text)
             write_records(out_of(lay.learner_input(t, ac.name)), inp.rows, "learner_input")
             for rtype, df in inp.side.items():
                 write_records(out_of(lay.learner_input(t, ac.name, rtype)), df, rtype)

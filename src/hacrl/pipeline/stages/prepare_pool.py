@@ -41,7 +41,8 @@ def prepare_pool(cfg: Config) -> StageResult:
                 corpus = [ac.template.replace("{problem}", p["problem"]) + task_data.target_text(p, cfg.data.completion)
                           for p in splits["train"]]
                 tok = train_tokenizer(ac.tokenizer, corpus)
-                save_agent(Agent(ac.name, tok, build_model(ac, tok), ac.template), tmp_ckpts / ac.name)
+                init_seed = 0 if cfg.experiment.pool_seed is None else cfg.experiment.pool_seed
+                save_agent(Agent(ac.name, tok, build_model(ac, tok, init_seed), ac.template), tmp_ckpts / ac.name)
             # from here on the agent is exactly what AutoTokenizer / AutoModelForCausalLM give back
             # (transformers may rebuild a tokenizer's pipeline for some model types, e.g. qwen2)
             agent = load_agent(ac, tmp_ckpts / ac.name, cfg.trainer.dtype)
@@ -62,8 +63,9 @@ def prepare_pool(cfg: Config) -> StageResult:
                             "(rollout.max_new_tokens / eval.max_new_tokens)", ac.name, cfg.data.completion,
                             longest, budget)
             if ac.warmup.max_steps > 0:
+                warm_seed = cfg.experiment.seed if cfg.experiment.pool_seed is None else cfg.experiment.pool_seed
                 rec["warmup"] = warm_up(agent, ac.warmup, splits["train"], splits["dev"], ver,
-                                        cfg.experiment.seed, cfg.eval.max_new_tokens, cfg.data.completion)
+                                        warm_seed, cfg.eval.max_new_tokens, cfg.data.completion)
             save_agent(agent, tmp_ckpts / ac.name)
             rec["seconds"] = round(time.time() - t0, 1)
             records[ac.name] = rec

@@ -1,0 +1,284 @@
+"""A comparison's report: ``reports/<suite>/<setting>/`` (README.md, results.json, plots) and
+the suite's index. Reads the runs' curves and :mod:`hacrl.study.claims`' tests; runs nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hacrl.storage import read_json, write_json
+from hacrl.study.claims import ALPHA, MARGIN_POINTS, auc, budget, findings, primary, primary_line
+
+MAX_LINES = 6
+"""Curves per panel: more cannot be told apart."""
+STYLES = [("tab:blue", "-", "o"), ("tab:orange", "--", "s"), ("tab:green", "-.", "^"),
+          ("tab:red", ":", "D"), ("tab:purple", (0, (5, 1, 1, 1)), "v"), ("tab:brown", (0, (1, 1)), "P")]
+"""Six curves, each with its own colour, line style and marker."""
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per agent and contender: final accuracy and equal-budget AUC, mean and std over seeds; the
+    training diagnostics (cross ratios, cross share of the objective, KL) averaged over iterations
+    and seeds."""
+    agents = list(results[0]["agents"])
+    contenders = list(dict.fromkeys(r["contender"] for r in results))
+    b = budget(results)
+    table: dict = {"budget_rollouts_per_agent": b, "agents": {}}
+    for a in agents:
+        rows = {}
+        for c in contenders:
+            rs = [r for r in results if r["contender"] == c]
+            final = [r["agents"][a]["eval_accuracy"][-1] for r in rs]
+            areas = [auc(r["agents"][a]["rollouts"], r["agents"][a]["eval_accuracy"], b) for r in rs]
+            curve = np.mean([r["agents"][a]["eval_accuracy"] for r in rs], axis=0).tolist()
+            train = [x for r in rs for x in r["agents"][a].get("train", [])]
+            keys = dict.fromkeys(k for x in train for k in x)
+            rows[c] = {"final_mean": float(np.mean(final)), "final_std": float(np.std(final, ddof=1)) if len(final) > 1 else 0.0,
+                       "auc_mean": float(np.mean(areas)), "auc_std": float(np.std(areas, ddof=1)) if len(areas) > 1 else 0.0,
+                       "seeds": len(rs), "mean_curve": curve,
+                       "rollouts": rs[0]["agents"][a]["rollouts"],
+                       "train": {k: float(np.mean([x[k] for x in train if k in x])) for k in keys}}
+        table["agents"][a] = rows
+    return table
+
+
+def _train_figures(row: dict, agent: str) -> str:
+    """One table cell: the cross ratio's median and share clipped below per peer, the cross
+    share of the objective and the KL, as the learner saw them (means over iterations and seeds)."""
+    t = row.get("train", {})
+    parts = []
+    for k, v in t.items():
+        if k.startswith("ratio/") and k.endswith("/q50") and k.split("/")[1] != agent:
+            peer = k.split("/")[1]
+            below = t.get(f"ratio/{peer}/clipped_below")
+            parts.append(f"{peer}: {v:.3f}" + (f" ({100 * below:.0f}% below)" if below is not None else ""))
+    if "cross_gradient_share" in t:
+        parts.append(f"cross share of the gradient-carrying objective {100 * t['cross_gradient_share']:.0f}%")
+    elif "cross_objective_share" in t:
+        parts.append(f"cross share of the objective {100 * t['cross_objective_share']:.0f}%")
+    if "kl_to_init" in t:
+        parts.append(f"KL {t['kl_to_init']:.4f}")
+    elif "kl_init_before_step" in t:
+        parts.append(f"KL to init {t['kl_init_before_step']:.4f}")
+    if "entropy" in t:
+        parts.append(f"entropy {t['entropy']:.3f}")
+    return "; ".join(parts) or "-"
+
+
+def plot_groups(contenders: list[str], first: list[str] | None) -> list[list[str]]:
+    """The contenders in groups of at most :data:`MAX_LINES`, the setting's declared headline
+    curves (those that ran) first."""
+    head = [c for c in (first or []) if c in contenders][:MAX_LINES]
+    rest = [c for c in contenders if c not in head]
+    groups = [head] if head else []
+    return groups + [rest[i:i + MAX_LINES] for i in range(0, len(rest), MAX_LINES)]
+
+
+def _band(curves: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and standard error over seeds, per point (s.e. 0 with one seed)."""
+    arr = np.asarray(curves, float)
+    mean = arr.mean(axis=0)
+    se = arr.std(axis=0, ddof=1) / np.sqrt(len(arr)) if len(arr) > 1 else np.zeros_like(mean)
+    return mean, se
+
+
+def plot_curves(results: list[dict], names: list[str], key: str, xkey: str, path: Path, ylabel: str,
+                scale: float = 1.0) -> Path | None:
+    """One panel per agent; per contender the mean over seeds with a +-1 s.e. band; x is the
+    iteration or the rollouts generated per agent. None when no run has the curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agents = list(results[0]["agents"])
+    fig, axes = plt.subplots(1, len(agents), figsize=(5 * len(agents), 4.2), squeeze=False)
+    drawn = False
+    for ax, a in zip(axes[0], agents):
+        for c, (color, ls, marker) in zip(names, STYLES):
+            curves = [r["agents"][a].get(key) or [] for r in results if r["contender"] == c]
+            if not curves or not curves[0]:
+                continue
+            pts = [t for t in range(min(map(len, curves))) if all(cv[t] is not None for cv in curves)]
+            if not pts:
+                continue
+            mean, se = _band([[cv[t] for t in pts] for cv in curves])
+            rollouts = next(r for r in results if r["contender"] == c)["agents"][a]["rollouts"]
+            x = np.asarray([rollouts[t] for t in pts] if xkey == "rollouts" else pts, float)
+            ax.plot(x, scale * mean, color=color, linestyle=ls, marker=marker, markersize=4, label=c)
+            ax.fill_between(x, scale * (mean - se), scale * (mean + se), color=color, alpha=0.15, linewidth=0)
+            drawn = True
+        ax.set_title(a)
+        ax.set_xlabel("iteration" if xkey == "iterations" else "rollouts generated per agent")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+    if not drawn:
+        plt.close(fig)
+        return None
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(MAX_LINES, len(labels)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(results: list[dict], out_dir: Path, first: list[str] | None) -> list[str]:
+    """Accuracy (percent) against iterations and against rollouts, then entropy and KL, for each
+    group of at most six contenders (``_2``, ``_3``... for the groups after the headline one)."""
+    contenders = list(dict.fromkeys(r["contender"] for r in results))
+    written = []
+    for i, names in enumerate(plot_groups(contenders, first)):
+        tag = "" if i == 0 else f"_{i + 1}"
+        for key, xkey, stem, ylabel, scale in (
+                ("eval_accuracy", "iterations", "accuracy_vs_iterations", "held-out accuracy (%), mean +- s.e. over seeds", 100),
+                ("eval_accuracy", "rollouts", "accuracy_vs_rollouts", "held-out accuracy (%), mean +- s.e. over seeds", 100),
+                ("entropy", "iterations", "entropy_vs_iterations", "policy entropy on own samples (nats/token)", 1),
+                ("kl", "iterations", "kl_vs_iterations", "KL(policy before the step || initial)", 1)):
+            p = plot_curves(results, names, key, xkey, out_dir / f"{stem}{tag}.png", ylabel, scale)
+            if p is not None:
+                written.append(p.name)
+    return written
+
+
+def _cell_text(d: dict, digits: int) -> str:
+    if "ci" not in d:
+        return f"{d['points']:+.{digits}f} ({d['verdict']})"
+    p = f"p_Holm {d['p_holm']:.2g}" if "p_holm" in d else ""
+    return f"{d['points']:+.{digits}f} [{d['ci'][0]:+.{digits}f}, {d['ci'][1]:+.{digits}f}] {d['verdict']} ({p})"
+
+
+def claim_table(found: list[dict], agents: list[str]) -> list[str]:
+    """The markdown table of the secondary claims: one row per claim, one column per agent (and
+    ``all agents`` when a claim is on the mean over agents)."""
+    cols = agents + (["all agents"] if any("all agents" in f["differences"] for f in found) else [])
+    lines = ["| claim | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for f in found:
+        digits = 4 if f.get("kind") in ("entropy", "kl") else 1
+        cells = [_cell_text(f["differences"][a], digits) if a in f["differences"] else "-" for a in cols]
+        lines.append(f"| {f['claim']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def rescue_lines(results: list[dict], agents: list[str]) -> list[str]:
+    """A README section on SGT's rescues per agent and contender that made any: the trigger rate and
+    rescues per iteration, and the greedy accuracy on the rescued prompts right after the update
+    and at later iterations (means over iterations and seeds), empty when no run rescued."""
+    rows = []
+    for c in dict.fromkeys(r["contender"] for r in results):
+        for a in agents:
+            rs = [r for r in results if r["contender"] == c]
+            train = [x for r in rs for x in r["agents"][a].get("train", []) if "trigger_rate" in x]
+            if not train:
+                continue
+            ev = [x for r in rs for x in r["agents"][a].get("eval", [])]
+
+            def mean(key: str, src: list) -> str:
+                vals = [x[key] for x in src if key in x]
+                return f"{np.mean(vals):.3g}" if vals else "-"
+
+            def pct(key: str) -> str:
+                vals = [x[key] for x in ev if key in x]
+                return f"{100 * np.mean(vals):.1f}" if vals else "-"
+
+            rows.append(f"| {c} | {a} | {100 * float(np.mean([x['trigger_rate'] for x in train])):.1f} | "
+                        f"{mean('rescues', train)} | {mean('own_all_wrong_prompts', train)} | {pct('rescued_now_accuracy')} | "
+                        f"{pct('rescued_before_accuracy')} |")
+    if not rows:
+        return []
+    return ["## Success-gated rescues", "",
+            "Per iteration (means over iterations and seeds): the share of the learner's prompts where the gate "
+            "fired (all own samples wrong, a peer's verified success injected), responses injected, prompts "
+            "with all own samples wrong; then the learner's greedy accuracy on the prompts rescued at that "
+            "iteration, right after the update, and on those rescued at earlier iterations (did it stick?). "
+            "Before its rescue the learner had 0 of G samples right on each.", "",
+            "| contender | agent | trigger rate (%) | injected | all-wrong prompts | acc. on prompts rescued now (%) "
+            "| acc. on prompts rescued earlier (%) |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def tuning_lines(tuning: dict | None) -> list[str]:
+    """What the dev sweep chose per contender, and from which dev scores."""
+    if not tuning:
+        return ["Settings: as composed (no dev sweep was run for this report).", ""]
+    keys = " ".join(tuning["grid"])
+    lines = ["## Settings chosen on dev", "",
+             f"Swept {keys} on the dev split (held-out never read) with seeds {tuning['seeds']}, disjoint from "
+             f"the reported ones; score: mean dev accuracy over iterations 1..T, mean over agents and seeds. "
+             "Chosen value per contender in bold.", "",
+             "| contender | " + " | ".join(tuning["values"]) + " |", "|---|" + "---|" * len(tuning["values"])]
+    for c, scores in tuning["dev_scores"].items():
+        cells = [(f"**{100 * scores[v]:.1f}**" if v == tuning["chosen"][c] else f"{100 * scores[v]:.1f}")
+                 if v in scores else "-" for v in tuning["values"]]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, overrides: list[str],
+                 suite: str, setting: str = "", tuning: dict | None = None, warmups: int = 1) -> Path:
+    """``reports/<suite>/<setting>/``: results.json, README.md (primary contrast first, tables,
+    Holm-corrected claims), plots. ``spec``: the setting (about, primary, plot) and the suite's claims."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = summarize(results)
+    endpoint = spec["primary"]["endpoint"] if spec.get("primary") else "final"
+    found = findings(results, spec.get("claims") or [], endpoint)
+    prim = primary(results, spec["primary"]) if spec.get("primary") else None
+    seeds = sorted({r["seed"] for r in results})
+    plots = write_plots(results, out_dir, spec.get("plot"))
+    write_json(out_dir / "results.json", {"suite": suite, "setting": setting, "about": spec.get("about", ""),
+                                          "seeds": seeds, "warmups": warmups, "overrides": overrides,
+                                          "wall_seconds": round(wall_s, 1), "primary": prim, "tuning": tuning,
+                                          "runs": results, "table": table, "findings": found})
+    agents = list(table["agents"])
+    title = f"# Comparison suite `{suite}`" + (f", setting `{setting}`" if setting else "")
+    kl = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm.kl_coef=")), None)
+    lines = [primary_line(prim) if prim else "Primary contrast: its two contenders did not both run.", "", title, "",
+             *([spec["about"], ""] if spec.get("about") else []),
+             f"Seeds {seeds} on {warmups} warm-up pool{'s' if warmups > 1 else ''} (seed s uses pool s mod "
+             f"{warmups}); overrides {' '.join(overrides) or '(none)'}; wall time {wall_s / 60:.1f} min. "
+             + (f"KL: coefficient {kl} (k3 to the initial model, on the learner's own samples) for every "
+                "contender alike. " if kl else "KL: off. ")
+             + "Final = held-out greedy accuracy after the last iteration, mean +- std over seeds; AUC = mean "
+             f"accuracy over the first {table['budget_rollouts_per_agent']} rollouts each agent generated (the "
+             "budget every contender reached: the equal-cost view). Training figures: the cross ratio's median per "
+             "peer and the share of cross samples below the clip window, the share of the |objective| carried by "
+             "cross samples, the KL (means over iterations and seeds).", "", *tuning_lines(tuning)]
+    for a in agents:
+        lines += [f"## {a}", "", "| contender | final (%) | AUC at equal rollouts (%) | training |", "|---|---|---|---|"]
+        for c, row in table["agents"][a].items():
+            lines.append(f"| {c} | {100 * row['final_mean']:.1f} +- {100 * row['final_std']:.1f} | "
+                         f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
+        lines.append("")
+    lines += rescue_lines(results, agents)
+    lines += ["## Secondary claims, paired by seed", "",
+              f"Difference (better - worse) of the {'AUC' if endpoint == 'auc' else 'final held-out accuracy'} in "
+              "points, mean and 95 % t interval over seeds (same pool, prompts and sampling seed per pair). The "
+              f"claims are one family: p-values Holm-corrected over every cell; *holds* / *reversed*: adjusted p < "
+              f"{ALPHA} with the claimed / opposite sign; *not resolved* otherwise (never read as equality). *all "
+              f"agents*: the endpoint averaged over the agents. *Equivalent*: two one-sided tests put the difference "
+              f"inside +-{MARGIN_POINTS:g} point. *Every checkpoint*: the accuracy difference at each iteration, the "
+              "smallest shown; holds only when every one is above 0. Entropy / KL claims: the mean over iterations, "
+              "in nats.", "", *claim_table(found, agents)]
+    lines += ["", "Plots: " + ", ".join(f"`{x}`" for x in plots) + ". Raw curves and per-iteration "
+              "training figures: `results.json`.", ""]
+    (out_dir / "README.md").write_text("\n".join(lines))
+    return out_dir
+
+
+def write_index(suite_dir: Path, suite: str) -> Path:
+    """``reports/<suite>/README.md``: each setting's primary contrast and claims side by side."""
+    lines = [f"# Comparison suite `{suite}`", "", "One directory per setting, each with its own README, plots "
+             "and results.json: its declared primary contrast first, then the Holm-corrected secondary claims.", ""]
+    if (suite_dir / "ANALYSIS.md").exists():  # written by hand from these reports
+        lines += ["What the settings and probes say about the causes: [ANALYSIS.md](ANALYSIS.md).", ""]
+    for res_file in sorted(suite_dir.glob("*/results.json")):
+        res = read_json(res_file)
+        setting = res.get("setting") or res_file.parent.name
+        agents = list(res["table"]["agents"])
+        lines += [f"## `{setting}`: {res.get('about', '')}", "",
+                  *([primary_line(res["primary"]), ""] if res.get("primary") else []),
+                  f"{len(res['seeds'])} seeds, {len(res['runs'])} runs, {res['wall_seconds'] / 60:.0f} min. "
+                  f"[details]({res_file.parent.name}/README.md)", "",
+                  *claim_table(res["findings"], agents), ""]
+    (suite_dir / "README.md").write_text("\n".join(lines))
+    return suite_dir / "README.md"

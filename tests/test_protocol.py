@@ -1,0 +1,217 @@
+"""The comparison protocol without training (the runs are stand-ins; tests/test_compare.py runs
+real suites): suites declare their primary contrast; every contender composes; claims are paired
+t tests, Holm-corrected, equivalence by TOST; the dev sweep chooses on dev with disjoint seeds;
+warm-up pools vary with the seed; plots draw at most six distinguishable curves."""
+
+import json
+
+import pytest
+
+from hacrl.study import compare
+from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
+from hacrl.study.report import MAX_LINES, STYLES, plot_groups
+from hacrl.study.suites import SUITES
+
+
+def test_auc_is_mean_accuracy_over_the_rollout_budget():
+    assert auc([0, 10, 20], [0.0, 1.0, 1.0], 20) == pytest.approx(0.75)
+    assert auc([0, 10, 20], [0.0, 1.0, 1.0], 10) == pytest.approx(0.5)  # equal budget cuts the curve
+    assert auc([0, 20, 40], [0.0, 1.0, 1.0], 10) == pytest.approx(0.25)  # interpolated at the budget
+
+
+@pytest.mark.parametrize("suite, setting", [(s, x) for s in SUITES for x in SUITES[s]["settings"]])
+def test_every_contender_of_every_setting_composes_and_the_primary_is_declared(suite, setting):
+    """Sizes the reference layout refuses, an unknown key or a misspelt preset fail here at once
+    rather than an hour into a suite run; the primary contrast's contenders are the setting's."""
+    from hacrl.pipeline import params
+
+    st = SUITES[suite]["settings"][setting]
+    n = len(params.from_dict(params.compose(st["base"])).agents)
+    for c in SUITES[suite]["all"]:
+        cfg = params.from_dict(params.compose(st["base"] + compare.resolve(SUITES[suite]["all"][c], n)))
+        assert cfg.rollout.prompts_per_iteration == (16 if setting == "pretrained" else 128), c
+        if suite == "hacpo":
+            assert cfg.algorithm.kl_coef == 0.001, c
+        else:
+            assert cfg.trainer.measure_kl_to_init and cfg.algorithm.kl_coef == 0, c
+        if c == "gspo_xn":  # the equal-rollout baseline of this pool, labelled as what runs
+            assert cfg.algorithm.sample_multiplier == n and cfg.algorithm.name == f"gspo_x{n}"
+        if c == "hacpo_cw0":
+            assert cfg.algorithm.loss.cross_weight == 0
+        if c == "sgt_oracle":
+            assert [s.content for s in cfg.algorithm.subscription] == ["response", "gold"]
+        if setting == "worked":
+            assert cfg.data.completion == "worked" and cfg.rollout.max_new_tokens >= 40
+    p = st["primary"]
+    assert {p["better"], p["worse"]} <= set(st["contenders"]) and p["endpoint"] in ("auc", "final")
+    assert set(st["plot"]) <= set(SUITES[suite]["all"]) and len(st["plot"]) <= MAX_LINES
+
+
+def run(contender, seed, curves, entropy=None, kl=None, per_iter=8):
+    """A run record as run_contender writes it (``curves``: agent -> accuracies)."""
+    return {"contender": contender, "seed": seed,
+            "agents": {a: {"eval_accuracy": acc, "rollouts": [per_iter * t for t in range(len(acc))],
+                           "entropy": [None] + (entropy or [0.5] * (len(acc) - 1)),
+                           "kl": [None] + (kl or [0.01] * (len(acc) - 1))} for a, acc in curves.items()}}
+
+
+def test_differences_are_paired_by_seed():
+    # b beats a by 2 points on every seed while the seeds spread by 10: paired, the difference is
+    # certain; unpaired it would be lost in the spread
+    res = [run("a", s, {"x": [0.1, acc]}) for s, acc in enumerate((0.30, 0.40, 0.50))]
+    res += [run("b", s, {"x": [0.1, acc + 0.02]}) for s, acc in enumerate((0.30, 0.40, 0.50))]
+    d = paired_diffs(res, "b", "a", lambda r: r["agents"]["x"]["eval_accuracy"][-1])
+    assert d == pytest.approx([0.02] * 3)
+    assert paired_diffs(res, "b", "missing", lambda r: 0.0) is None
+    f = findings(res, [("b above a", "b", "a")], "final")[0]["differences"]["x"]
+    assert f["verdict"] == "holds" and f["ci"] == [2.0, 2.0] and f["df"] == 2
+
+
+def test_claims_are_t_tested_holm_corrected_and_equal_means_equivalent():
+    res = []
+    for s in range(4):
+        e = 0.01 * s  # a seed effect shared by both contenders: pairing removes it
+        jitter = (-1) ** s * 0.002
+        res += [run("grpo", s, {"a": [0.1, 0.20 + e, 0.30 + e], "b": [0.5, 0.50 + e, 0.60 + e]},
+                    entropy=[0.6 + e, 0.6 + e], kl=[0.01, 0.02]),
+                run("sgt", s, {"a": [0.1, 0.25 + e + jitter, 0.35 + e - jitter], "b": [0.5, 0.48 + e + jitter, 0.601 + e + jitter]},
+                    entropy=[0.5 + e, 0.5 + e + jitter], kl=[0.03, 0.04 + jitter])]
+    claims = [("mean", "sgt", "grpo", "average"), ("every", "sgt", "grpo", "every_checkpoint"),
+              ("equal", "sgt", "grpo", "equal"), ("entropy", "grpo", "sgt", "entropy"), ("kl", "sgt", "grpo", "kl"),
+              ("final", "sgt", "grpo"), ("reversed", "grpo", "sgt")]
+    f = {x["claim"]: x for x in findings(res, claims, "final")}
+    # mean over agents: (+5 + 0.1) / 2 points
+    assert list(f["mean"]["differences"]) == ["all agents"]
+    assert f["mean"]["differences"]["all agents"]["points"] == pytest.approx(2.55)
+    # b is 2 points behind at iteration 1: the claim "at every checkpoint" is not supported there
+    assert f["every"]["differences"]["b"]["verdict"] == "not resolved" and f["every"]["differences"]["b"]["points"] == -2.0
+    assert f["every"]["differences"]["a"]["verdict"] == "holds" and f["every"]["differences"]["a"]["checkpoints"] == 2
+    # equal: b's 0.1-point difference is shown inside the 1-point margin; a's 5 points are not
+    assert f["equal"]["differences"]["b"]["verdict"] == "equivalent"
+    assert f["equal"]["differences"]["a"]["verdict"] == "not shown equivalent"
+    assert f["entropy"]["differences"]["a"]["points"] == pytest.approx(0.1)
+    assert f["final"]["differences"]["a"]["verdict"] == "holds" and f["reversed"]["differences"]["a"]["verdict"] == "reversed"
+    # Holm: every adjusted p is at least the raw one, and the family shares one correction
+    cells = [c for x in f.values() for c in x["differences"].values()]
+    assert all(c["p_holm"] >= c["p"] - 1e-9 for c in cells)
+    assert max(c["p_holm"] for c in cells) <= 1.0
+    # the same differences alone are tested with less correction
+    alone = findings(res, [claims[5]], "final")[0]["differences"]["b"]
+    assert alone["p_holm"] == pytest.approx(alone["p"], abs=1e-4)
+
+
+def test_one_seed_is_never_given_a_verdict():
+    res = [run("a", 0, {"x": [0.1, 0.2]}), run("b", 0, {"x": [0.1, 0.5]})]
+    cell = findings(res, [("b above a", "b", "a")], "final")[0]["differences"]["x"]
+    assert cell["verdict"] == "one seed: not tested" and cell["points"] == 30.0
+    p = primary(res, {"text": "b above a", "better": "b", "worse": "a", "endpoint": "final"})
+    assert p["verdict"] == "one seed: not tested" and "not tested" in primary_line(p)
+
+
+def test_the_primary_contrast_on_auc_with_its_interval_and_detectable_effect():
+    res = []
+    for s, gain in enumerate((0.02, 0.03, 0.01, 0.02, 0.025, 0.015)):
+        res += [run("ctl", s, {"x": [0.2, 0.3, 0.4], "y": [0.1, 0.2, 0.2]}),
+                run("hacpo", s, {"x": [0.2, 0.3 + gain, 0.4 + gain], "y": [0.1, 0.2 + gain, 0.2 + gain]})]
+    p = primary(res, {"text": "H above C", "better": "hacpo", "worse": "ctl", "endpoint": "auc"})
+    # AUC over 16 rollouts of (0, g, g) at x = 0, 8, 16: 3g/4
+    assert p["mean_points"] == pytest.approx(75 * 0.02, abs=0.01) and p["df"] == 5 and p["verdict"] == "holds"
+    assert p["ci_points"][0] > 0 and 0 < p["detectable_points"] < p["mean_points"]
+    line = primary_line(p)
+    assert line.startswith("**Primary contrast**") and "df 5" in line and "**holds**" in line
+
+
+def test_plots_draw_at_most_six_distinguishable_curves_per_panel():
+    assert len({(c, ls) for c, ls, _ in STYLES}) == len(STYLES) == MAX_LINES
+    assert len({c for c, _, _ in STYLES}) == MAX_LINES and len({str(ls) for _, ls, _ in STYLES}) == MAX_LINES
+    names = [f"c{i}" for i in range(14)]
+    groups = plot_groups(names, ["c9", "c3", "missing"])
+    assert groups[0] == ["c9", "c3"] and all(len(g) <= MAX_LINES for g in groups)
+    assert sorted(sum(groups, [])) == sorted(names)
+
+
+def _fake(ran):
+    def fake_run(name, overrides, seed, out, warmup=0):
+        ran.append((name, seed, warmup, tuple(overrides)))
+        lr = next((o.split("=")[1] for o in overrides if o.startswith("trainer.lr=")), "5e-4")
+        dev = "eval.split=dev" in overrides
+        # on dev, 3e-4 is best for hacpo and 1e-4 for the others; held-out always favours hacpo
+        good = {"hacpo": "3e-4"}.get(name.split("/")[1] if "/" in name else name, "1e-4")
+        acc = 0.1 + 0.01 * seed + (0.05 if lr == good else 0.0) + (0.0 if dev else (0.05 if name.startswith("hacpo") else 0))
+        return {"contender": name, "seed": seed, "algorithm": name, "warmup": warmup, "seconds": 1.0,
+                "rollouts_per_agent_per_iteration": 8,
+                "agents": {"a": {"eval_accuracy": [0.1, acc, acc], "rollouts": [0, 8, 16], "train": [{"updates": 2}]}}}
+    return fake_run
+
+
+def test_the_dev_sweep_chooses_on_dev_with_disjoint_seeds_and_the_report_says_so(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", _fake(ran))
+    compare.run_suite("hacpo", 3, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
+                      contenders=["gspo", "hacpo", "hacpo_cw0"], tune=["trainer.lr=1e-4,3e-4"], tune_seeds=2, warmups=2)
+    tuning_runs = [r for r in ran if r[0].startswith("tune/")]
+    reported = [r for r in ran if not r[0].startswith("tune/")]
+    assert len(tuning_runs) == 3 * 2 * 2 and all("eval.split=dev" in r[3] for r in tuning_runs)
+    assert not any("eval.split=dev" in r[3] for r in reported)
+    assert {r[1] for r in tuning_runs}.isdisjoint({r[1] for r in reported}) and {r[1] for r in reported} == {0, 1, 2}
+    # the chosen lr reaches every reported run of its contender, after the contender's own overrides
+    assert all(r[3][-2] == ("trainer.lr=3e-4" if r[0] == "hacpo" else "trainer.lr=1e-4") for r in reported
+               if r[2] == 1) and all(r[3][-1] == ("trainer.lr=3e-4" if r[0] == "hacpo" else "trainer.lr=1e-4")
+                                     for r in reported if r[2] == 0)
+    # warm-up pools: seed s starts from pool s mod 2 (pool 1 with its own seed)
+    assert {(r[1], r[2]) for r in reported} == {(0, 0), (1, 1), (2, 0)}
+    assert all(("experiment.pool_seed=1" in r[3]) == (r[2] == 1) for r in ran)
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert res["tuning"]["chosen"] == {"gspo": "trainer.lr=1e-4", "hacpo": "trainer.lr=3e-4",
+                                       "hacpo_cw0": "trainer.lr=1e-4"} and res["warmups"] == 2
+    readme = (tmp_path / "r" / "hacpo" / "shared_tok" / "README.md").read_text()
+    assert readme.startswith("**Primary contrast**") and "Settings chosen on dev" in readme and "**" in readme
+
+
+def test_a_bad_tune_item_is_refused_before_anything_runs(tmp_path):
+    from hacrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--tune"):
+        compare.run_suite("hacpo", 1, work_dir=tmp_path, reports_dir=tmp_path, tune=["trainer.lr"], dry_run=True)
+    plan = compare.run_suite("hacpo", 2, work_dir=tmp_path, reports_dir=tmp_path, setting="shared_tok",
+                             tune=["trainer.lr=1e-4,3e-4"], dry_run=True)
+    assert "28 dev runs" in plan and "primary: hacpo - hacpo_cw0 (auc)" in plan
+
+
+def test_a_probe_is_added_to_a_finished_report(tmp_path, monkeypatch):
+    """``--contenders`` adds runs to the setting's report instead of replacing it."""
+    ran = []
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", _fake(ran))
+    kw = dict(work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok")
+    compare.run_suite("hacpo", 2, **kw)
+    compare.run_suite("hacpo", 2, contenders=["gspo_lr3e4", "hacpo_lr3e4"], **kw)
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"] for r in res["runs"]} == {*SUITES["hacpo"]["settings"]["shared_tok"]["contenders"],
+                                                     "gspo_lr3e4", "hacpo_lr3e4"}
+    assert len(res["runs"]) == 2 * (len(SUITES["hacpo"]["settings"]["shared_tok"]["contenders"]) + 2)
+    # a different base (another pool) starts a new report
+    compare.run_suite("hacpo", 2, ["rollout.group_size=4"], contenders=["gspo"], **kw)
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"] for r in res["runs"]} == {"gspo"}
+
+
+def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypatch):
+    from hacrl.storage import write_json
+
+    ran = []
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", _fake(ran))
+    st = SUITES["hacpo"]["settings"]["shared_tok"]
+    out = tmp_path / "w" / "hacpo" / "shared_tok"
+    done = {"contender": "gspo", "seed": 0, "agents": {"a": {"eval_accuracy": [0.1, 0.3], "rollouts": [0, 8]}}}
+    write_json(out / "gspo" / "seed0" / compare.RESULT_FILE,
+               {**done, "overrides": st["base"] + SUITES["hacpo"]["all"]["gspo"] + ["experiment.seed=0"]})
+    # another contender's file written with other overrides (another pool) is not reused
+    write_json(out / "hacpo" / "seed0" / compare.RESULT_FILE, {**done, "contender": "hacpo", "overrides": ["x"]})
+    compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
+                      contenders=["gspo", "hacpo"], resume=True)
+    assert [r[0] for r in ran] == ["hacpo"]
+    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    assert {r["contender"]: r["agents"]["a"]["eval_accuracy"][-1] for r in res["runs"]} == {"gspo": 0.3, "hacpo": pytest.approx(0.15)}
