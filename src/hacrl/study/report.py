@@ -143,8 +143,10 @@ def write_plots(results: list[dict], out_dir: Path, first: list[str] | None) -> 
 
 
 def _cell_text(d: dict, digits: int) -> str:
-    if "ci" not in d:
-        return f"{d['points']:+.{digits}f} ({d['verdict']})"
+    if "ci" not in d:  # one seed, or a report written before the protocol (mean +- s.e., 2-s.e. verdicts)
+        se = d.get("stderr_points")
+        spread = f" +- {se:.{digits}f}" if isinstance(se, (int, float)) and se == se else ""
+        return f"{d['points']:+.{digits}f}{spread} ({d['verdict']})"
     p = f"p_Holm {d['p_holm']:.2g}" if "p_holm" in d else ""
     return f"{d['points']:+.{digits}f} [{d['ci'][0]:+.{digits}f}, {d['ci'][1]:+.{digits}f}] {d['verdict']} ({p})"
 
@@ -276,7 +278,9 @@ def write_index(suite_dir: Path, suite: str) -> Path:
         setting = res.get("setting") or res_file.parent.name
         agents = list(res["table"]["agents"])
         lines += [f"## `{setting}`: {res.get('about', '')}", "",
-                  *([primary_line(res["primary"]), ""] if res.get("primary") else []),
+                  *([primary_line(res["primary"]), ""] if res.get("primary") else
+                    ["Run before the comparison protocol: no declared primary contrast, verdicts at 2 standard "
+                     "errors without correction, the lr not chosen on dev.", ""]),
                   f"{len(res['seeds'])} seeds, {len(res['runs'])} runs, {res['wall_seconds'] / 60:.0f} min. "
                   f"[details]({res_file.parent.name}/README.md)", "",
                   *claim_table(res["findings"], agents), ""]
