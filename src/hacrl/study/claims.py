@@ -82,13 +82,16 @@ def _one_sided_p(d: list[float]) -> float:
 def _cell(d: list[float], scale: float, kind: str, margin: float) -> dict:
     """One tested difference: mean, s.e., 95 % t interval, df, raw p (of the claim's test)."""
     n = len(d)
-    mean = float(np.mean(d))
-    cell = {"points": round(scale * mean, 4 if scale == 1 else 2), "seeds": n}
+    digits = 4 if scale == 1 else 2  # raw units (entropy, KL) or points
+
+    def shown(x: float) -> float:
+        return round(scale * x, digits)
+
+    cell = {"points": shown(float(np.mean(d))), "seeds": n}
     if n < 2:
         return {**cell, "stderr_points": float("nan"), "p": float("nan"), "verdict": "one seed: not tested"}
     r = paired_t(d)
-    cell.update({"stderr_points": round(scale * r.se, 4 if scale == 1 else 2), "df": r.df,
-                 "ci": [round(scale * r.lo, 4 if scale == 1 else 2), round(scale * r.hi, 4 if scale == 1 else 2)]})
+    cell.update({"stderr_points": shown(r.se), "df": r.df, "ci": [shown(r.lo), shown(r.hi)]})
     if kind.startswith("equal"):
         eq = tost(d, margin / scale)
         cell.update({"p": eq.p, "margin_points": margin})

@@ -108,8 +108,6 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path, warmup:
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = _cfg(overrides + [f"experiment.seed={seed}"], run_dir / "runs", run_dir / "reports")
     shutil.copytree(base / "runs" / "it0", run_dir / "runs" / "it0")
-    if cfg.eval.split != "heldout":  # iteration 0 scored on the split the run is evaluated on
-        shutil.rmtree(run_dir / "runs" / "it0" / "history.json", ignore_errors=True)
     t0 = time.time()
     with contextlib.chdir(base):  # data/tasks of the base
         timings = run_in_process(cfg, prepare=False)
@@ -159,7 +157,8 @@ def grid_points(grid: list[tuple[str, list[str]]]) -> list[list[str]]:
 
 
 def dev_score(run: dict) -> float:
-    """A tuning run's score: mean dev accuracy over iterations 1..T, mean over agents."""
+    """A tuning run's score: mean dev accuracy over iterations 1..T, mean over agents (iteration
+    0 is the shared pool's held-out figure, the same for every grid point, and left out)."""
     return float(np.mean([np.mean(a["eval_accuracy"][1:]) for a in run["agents"].values()]))
 
 
