@@ -80,3 +80,20 @@ def test_a_planted_pickle_in_the_recovery_state_never_runs(tmp_path, backend, ze
     with pytest.raises(UnsafeStateError, match=f"{victim}: refusing to load this recovery state"):
         PolicyOptimizer(_model(), cfg, 4).load_state(tmp_path / "state")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("backend, zero, wd", [("deepspeed", 0, 0.0), ("deepspeed", 2, 0.1), ("torch", 0, 0.1)])
+def test_update_to_weight_is_the_step_measured_on_a_copy_of_the_weights(backend, zero, wd):
+    """The "small step" figure, recovered from AdamW's state, equals ||theta_t - theta_{t-1}|| /
+    ||theta_{t-1}|| measured on copies of the weights (which the trainer does not keep)."""
+    cfg = TrainerConfig(backend=backend, zero_stage=zero, lr=1e-2, lr_warmup_updates=1, weight_decay=wd)
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    opt = PolicyOptimizer(_model(), cfg, 4)
+    assert opt.last_update_to_weight is None
+    for _ in range(3):
+        before = torch.cat([p.detach().reshape(-1).clone() for p in opt.module.parameters()])
+        opt.step(_loss(opt, ids))
+        after = torch.cat([p.detach().reshape(-1) for p in opt.module.parameters()])
+        measured = float((after - before).norm() / before.norm())
+        assert measured > 1e-4
+        assert opt.last_update_to_weight == pytest.approx(measured, rel=1e-3)

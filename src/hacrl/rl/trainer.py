@@ -146,6 +146,62 @@ def _grad_norm(module) -> float:
     return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
+def _inner_adamw(opt) -> torch.optim.AdamW | None:
+    """The torch AdamW that steps the (fp32 master) weights: the optimizer itself, or the one a
+    DeepSpeed wrapper (ZeRO, BF16) holds as ``.optimizer``; None for any other optimizer."""
+    for _ in range(4):
+        if isinstance(opt, torch.optim.AdamW):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+    return None
+
+
+UPDATE_CHUNK = 1 << 24
+"""Elements per piece when the update's norm is computed: the temporaries stay at 64 MB in fp32
+whatever the largest tensor (a 262k-token embedding has 0.5 G elements at width 2048)."""
+
+
+@torch.no_grad()
+def update_to_weight(opt, partitioned: bool) -> float | None:
+    """||theta_t - theta_{t-1}|| / ||theta_{t-1}|| of the AdamW step just taken: how far one
+    optimizer update moved the weights, relative to their size ("small step" measured on the
+    model, not read off the learning rate).
+
+    Recovered from AdamW's own state rather than from a copy of the weights (which would double
+    the trainer's memory): torch's AdamW sets theta_t = theta_{t-1} (1 - lr wd) - lr u with
+    u = (m_t / (1 - beta1^t)) / (sqrt(v_t / (1 - beta2^t)) + eps), so theta_{t-1} and the step
+    follow from theta_t, m_t, v_t and t. ``partitioned``: the master weights are split over the
+    data-parallel ranks (ZeRO, DeepSpeed's BF16 optimizer), so the squared norms are summed over
+    ranks. None when the optimizer is not AdamW."""
+    inner = _inner_adamw(opt)
+    if inner is None:
+        return None
+    d2 = torch.zeros((), dtype=torch.float64)
+    w2 = torch.zeros((), dtype=torch.float64)
+    for g in inner.param_groups:
+        lr, wd, eps = g["lr"], g["weight_decay"], g["eps"]
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+            st = inner.state.get(p, {})
+            if "exp_avg" not in st:
+                continue
+            t = float(st["step"])
+            bc1, bc2 = 1 - b1 ** t, (1 - b2 ** t) ** 0.5
+            for th, m, v in zip(p.detach().reshape(-1).split(UPDATE_CHUNK), st["exp_avg"].reshape(-1).split(UPDATE_CHUNK),
+                                st["exp_avg_sq"].reshape(-1).split(UPDATE_CHUNK)):
+                u = (m.float() / bc1) / (v.float().sqrt() / bc2 + eps)
+                prev = (th.float() + lr * u) / (1 - lr * wd)
+                d2 += (lr * u + lr * wd * prev).pow(2).sum(dtype=torch.float64).cpu()
+                w2 += prev.pow(2).sum(dtype=torch.float64).cpu()
+    if partitioned:
+        import torch.distributed as dist
+
+        both = torch.stack([d2, w2])
+        dist.all_reduce(both)
+        d2, w2 = both[0], both[1]
+    return float(d2.sqrt() / w2.sqrt()) if float(w2) > 0 else None
+
+
 WORLD_FILE = "world.json"
 
 
@@ -183,6 +239,8 @@ class PolicyOptimizer:
             self.module = model
         self.state = TrainState()
         self._accumulating = False
+        self.last_update_to_weight: float | None = None
+        """||delta theta|| / ||theta|| of the last optimizer step (:func:`update_to_weight`)."""
 
     @property
     def model(self):
@@ -231,6 +289,9 @@ class PolicyOptimizer:
         if not np.isfinite(gn):
             raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
         self.state.updates += 1
+        # a wrapped AdamW (ZeRO, BF16) holds this rank's partition of the master weights
+        self.last_update_to_weight = update_to_weight(
+            self.optimizer, partitioned=_inner_adamw(self.optimizer) is not self.optimizer and world()[1] > 1)
         return gn
 
     def save_state(self, out_dir: Path) -> None:

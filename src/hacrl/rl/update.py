@@ -489,8 +489,11 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
                                  for key in per_sample[0][1]}))
             loss_metrics.update(dict.fromkeys(met))
             # the policy's entropy on its own samples (a peer's text says little about the learner's)
+            # how far the step moved the weights, relative to their norm: "small step" per model
+            utw = opt.last_update_to_weight
             logs.append({"loss": loss_v, "grad_norm": gn, "entropy": entropy,
-                         **({"kl": kl_v} if kl_v is not None else {}), **met})
+                         **({"kl": kl_v} if kl_v is not None else {}),
+                         **({"update_to_weight": utw} if utw is not None else {}), **met})
     opt.save_state(out_state)
     if shard is not None:  # rank 0 reports for all: the ranks' figures, gathered
         gap_all = _gather(gen_gap)
@@ -519,7 +522,7 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             # not defined): an update whose samples are all clipped has a small gradient, yet Adam
             # still moves the weights along its momentum
             "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs]
-                           for k in [*loss_metrics, "grad_norm"]},
+                           for k in [*loss_metrics, "grad_norm", "update_to_weight"]},
             # the learner's own samples only: a sharing algorithm's peer rows (SGT's injected
             # successes, HACPO's cross samples) would otherwise make the learner look better
             "reward_mean": float(rewards[is_self_all].mean()) if bool(is_self_all.any()) else 0.0,

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # the per-update figures kept from each run (the rest of update_stats stays in the run's MLflow)
 TRAIN_KEYS = ("cross_objective_share", "cross_gradient_share", "cross_ratio_mean", "cross_clipped_below", "cross_clipped_above",
-              "kl_to_init", "kl_init_before_step", "entropy", "updates", "reward_mean", "peer_ratio_mean",
+              "kl_to_init", "kl_init_before_step", "update_to_weight", "entropy", "updates", "reward_mean", "peer_ratio_mean",
               "peer_clip_frac", "rescues", "trigger_rate", "own_all_wrong_prompts")
 # per-iteration figures of the evaluation kept from each run (SGT: did the rescues stick)
 EVAL_KEYS = ("rescued_now_accuracy", "rescued_now_n", "rescued_before_accuracy", "rescued_before_n")
@@ -176,7 +176,9 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
 
     With ``tune`` (``KEY=V1,V2,...`` items, a grid), each contender first runs every grid point on
     ``tune_seeds`` tuning seeds (1000, 1001, ...) evaluated on the dev split; the point with the
-    best mean dev accuracy is the contender's setting for the reported seeds. With ``contenders``
+    best mean dev accuracy is the contender's setting for the reported seeds. A contender the
+    suite lists in ``tuned_as`` (a variant of a method that changes one mechanism) is not swept: it
+    takes its method's chosen point. With ``contenders``
     given, the runs of other contenders already in that setting's report (same overrides) are
     kept, so a probe can be added to a finished suite. With ``resume``, runs an interrupted suite
     finished with the same overrides are reused. With ``dry_run``, every config (tuning points
@@ -198,12 +200,18 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     points = grid_points(grid) if grid else []
     out = Path(work_dir).resolve() / suite / setting
     n_agents = len(_cfg(base_overrides, out / "runs", out / "reports").agents)
-    own = {c: base_overrides + resolve(spec["all"][c], n_agents) for c in chosen}
+    tuned_as = {c: p for c, p in spec.get("tuned_as", {}).items() if p != c}
+
+    def own_of(c: str) -> list[str]:
+        return base_overrides + resolve(spec["all"][c], n_agents)
+
+    own = {c: own_of(c) for c in chosen}
     if dry_run:
-        for c in chosen:  # a bad override fails here, before hours of runs
+        swept = list(dict.fromkeys(tuned_as.get(c, c) for c in chosen))
+        for c in dict.fromkeys([*chosen, *swept]):  # a bad override fails here, before hours of runs
             for pt in points or [[]]:
-                _cfg(own[c] + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports")
-        n_tune = len(chosen) * len(points) * tune_seeds
+                _cfg(own_of(c) + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports")
+        n_tune = len(swept) * len(points) * tune_seeds
         return (f"compare {suite}/{setting}: {len(chosen)} contenders x {seeds} seeds = {len(chosen) * seeds} runs "
                 f"({', '.join(chosen)}) on {warmups} warm-up pool(s)"
                 + (f", after {n_tune} dev runs tuning {' '.join(tune or [])}" if points else "")
@@ -222,18 +230,23 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     tuning = None
     if points:
         tseeds = [TUNE_SEED0 + i for i in range(tune_seeds)]
-        scores: dict[str, dict[str, float]] = {c: {} for c in chosen}
-        jobs = [(c, pt, s) for s in tseeds for c in chosen for pt in points]
+        # a variant that changes one mechanism of a method takes the method's chosen setting (so
+        # the comparison changes that mechanism only); the method is swept even when not reported
+        parent = {c: tuned_as.get(c, c) for c in chosen}
+        swept = list(dict.fromkeys(parent.values()))
+        scores: dict[str, dict[str, float]] = {c: {} for c in swept}
+        jobs = [(c, pt, s) for s in tseeds for c in swept for pt in points]
         for c, pt, s in tqdm(jobs, desc=f"tune {suite}/{setting} on dev"):
             label = " ".join(pt)
-            r = run(f"tune/{c}/{label.replace(' ', '_')}", own[c] + pt + ["eval.split=dev"], s)
+            r = run(f"tune/{c}/{label.replace(' ', '_')}", own_of(c) + pt + ["eval.split=dev"], s)
             scores[c].setdefault(label, []).append(dev_score(r))
         dev = {c: {k: float(np.mean(v)) for k, v in sc.items()} for c, sc in scores.items()}
         best = {c: max(sc, key=lambda k: (sc[k], -list(sc).index(k))) for c, sc in dev.items()}
         tuning = {"grid": list(tune or []), "values": [" ".join(p) for p in points], "seeds": tseeds,
-                  "dev_scores": dev, "chosen": best}
-        own = {c: own[c] + best[c].split() for c in chosen}
-        log.info("chosen on dev: %s", best)
+                  "dev_scores": dev, "chosen": {c: best[parent[c]] for c in chosen},
+                  "tuned_as": {c: parent[c] for c in chosen if parent[c] != c}}
+        own = {c: own[c] + best[parent[c]].split() for c in chosen}
+        log.info("chosen on dev: %s", tuning["chosen"])
     results = []
     jobs = [(c, s) for s in range(seeds) for c in chosen]
     for c, s in tqdm(jobs, desc=f"compare {suite}/{setting}"):
@@ -252,7 +265,8 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
             wall += old.get("wall_seconds", 0.0)
             if old.get("tuning") and tuning:
                 tuning = {**old["tuning"], "dev_scores": {**old["tuning"]["dev_scores"], **tuning["dev_scores"]},
-                          "chosen": {**old["tuning"]["chosen"], **tuning["chosen"]}}
+                          "chosen": {**old["tuning"]["chosen"], **tuning["chosen"]},
+                          "tuned_as": {**old["tuning"].get("tuned_as", {}), **tuning["tuned_as"]}}
             tuning = tuning or old.get("tuning")
             log.info("kept %d runs of the earlier report", len(results) - len(ran))
     report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,

@@ -213,6 +213,14 @@ def tuning_lines(tuning: dict | None) -> list[str]:
         cells = [(f"**{100 * scores[v]:.1f}**" if v == tuning["chosen"][c] else f"{100 * scores[v]:.1f}")
                  if v in scores else "-" for v in tuning["values"]]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    inherited = tuning.get("tuned_as", {})
+    if inherited:
+        by_parent: dict[str, list[str]] = {}
+        for c, par in inherited.items():
+            by_parent.setdefault(par, []).append(c)
+        lines += ["", "Not swept (one mechanism of a method changed, everything else held, the setting "
+                  "included): " + "; ".join(f"{', '.join(cs)} take {par}'s {tuning['chosen'].get(cs[0], '?')}"
+                                            for par, cs in by_parent.items()) + "."]
     return lines + [""]
 
 

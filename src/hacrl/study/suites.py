@@ -54,6 +54,12 @@ HACPO_DEFAULT = [*CORE, "grpo", "hacpo_self_first", "hacpo_keep_eos", *HACPO_ABL
 """The default setting's contenders; the lr and pass-count probes run on demand (``--contenders``);
 ``--tune trainer.lr=...`` chooses every contender's lr on dev instead."""
 
+HACPO_TUNED_AS = {c: "hacpo" for c in ["hacpo_learner_tokens", "hacpo_self_first", "hacpo_keep_eos",
+                                      *HACPO_ABLATIONS]}
+"""With ``--tune``, the variants that change one mechanism of HACPO take HACPO's chosen setting (an
+ablation at another lr would change two things); the baselines and HACPO's primary control
+(cross_weight 0) are swept on their own, the stricter test for HACPO."""
+
 # the paper's step shape (128 prompts, 8 samples per agent, mini-batches of 64 prompts) and the
 # reference runs' KL (0.001, k3, on self samples) for every contender alike
 HACPO_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "algorithm.kl_coef=0.001"]
@@ -135,6 +141,10 @@ MUTUAL_CLAIMS = [
     ("PRP at lr 1e-4 above PRP at lr 5e-4", "prp_lr1e4", "prp"),
 ]
 
+MUTUAL_TUNED_AS = {"sgt_nll0": "sgt", "sgt_oracle": "sgt", "prp_thl": "prp"}
+"""With ``--tune``: SGT's two controls (lambda 0; the gold completion injected) change only what is
+injected and take SGT's chosen setting; THL-aligned PRP changes only PRP's denominator."""
+
 # Mutual RL's step: GRPO's embedded settings at the HACPO suite's step size (128 prompts, 8 samples
 # per agent, mini-batches of 64 prompts), no KL term, the KL to the initial model measured
 MUTUAL_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64",
@@ -176,6 +186,7 @@ SUITES: dict[str, dict] = {
         },
         "all": HACPO_CONTENDERS,
         "claims": HACPO_CLAIMS,
+        "tuned_as": HACPO_TUNED_AS,
     },
     "mutual": {
         "settings": {
@@ -191,5 +202,6 @@ SUITES: dict[str, dict] = {
         },
         "all": MUTUAL_CONTENDERS,
         "claims": MUTUAL_CLAIMS,
+        "tuned_as": MUTUAL_TUNED_AS,
     },
 }
