@@ -180,9 +180,14 @@ def test_the_flow_runs_report_links_accuracy_to_checkpoints_and_mlflow(tmp_path)
                {"experiment_id": "7", "iterations": {"2": "r2"}, "models": {"gpt2-a@it2": "m-1"}})
     md = iteration_markdown(tmp_path, cfg, 2, {"generate-rollouts@it2": "ran"}, "http://127.0.0.1:5000/")
     assert "| gpt2-a | 25.0 % | 4.0 % | 0.500 | `runs/it2/checkpoints/gpt2-a` | " \
-           "[gpt2-a-it2](http://127.0.0.1:5000/#/experiments/7/models/m-1) |" in md
+           "[gpt2-a-it2](http://127.0.0.1:5000/#/experiments/7/models/m-1?workflowType=machine_learning) |" in md
     assert "| llama-b | – | – | – |" in md  # not evaluated: a dash, not 0
-    assert "[iteration run it2](http://127.0.0.1:5000/#/experiments/7/runs/r2)" in md
+    assert "[iteration run it2](http://127.0.0.1:5000/#/experiments/7/runs/r2?workflowType=machine_learning)" in md
+    # every MLflow link opens the machine-learning view
+    import re
+
+    links = re.findall(r"\]\((http[^)]*)\)", md)
+    assert len(links) >= 4 and all(u.endswith("?workflowType=machine_learning") for u in links)
     assert "generate-rollouts@it2 ran" in md
     # without an MLflow UI: the ids
     assert "gpt2-a-it2 (`m-1`)" in iteration_markdown(tmp_path, cfg, 2, {}, None)

@@ -169,6 +169,23 @@ def test_the_dev_sweep_chooses_on_dev_with_disjoint_seeds_and_the_report_says_so
     assert readme.startswith("**Primary contrast**") and "Settings chosen on dev" in readme and "**" in readme
 
 
+def test_a_variant_of_a_method_takes_the_methods_chosen_setting_without_its_own_sweep(tmp_path, monkeypatch):
+    """An ablation tuned on its own would change two things at once; it takes HACPO's choice, and
+    HACPO is swept for it even when HACPO itself is not reported."""
+    ran = []
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", _fake(ran))
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w", reports_dir=tmp_path / "r",
+                      contenders=["gspo", "hacpo-adv", "hacpo-clip"], tune=["trainer.lr=1e-4,3e-4"], tune_seeds=1)
+    assert sorted({r[0].split("/")[1] for r in ran if r[0].startswith("tune/")}) == ["gspo", "hacpo"]
+    assert all(r[3][-1] == "trainer.lr=3e-4" for r in ran if r[0].startswith("hacpo-"))
+    res = json.loads((tmp_path / "r" / "hacpo" / "default" / "results.json").read_text())
+    assert res["tuning"]["tuned_as"] == {"hacpo-adv": "hacpo", "hacpo-clip": "hacpo"}
+    assert res["tuning"]["chosen"]["hacpo-adv"] == "trainer.lr=3e-4" and "hacpo-adv" not in res["tuning"]["dev_scores"]
+    readme = (tmp_path / "r" / "hacpo" / "default" / "README.md").read_text()
+    assert "hacpo-adv, hacpo-clip take hacpo's trainer.lr=3e-4" in readme
+
+
 def test_a_bad_tune_item_is_refused_before_anything_runs(tmp_path):
     from hacrl.errors import ConfigError
 

@@ -147,6 +147,13 @@ def test_every_checkpoint_is_a_logged_model_ranked_by_its_linked_heldout_accurac
     v = c.get_model_version_by_alias(tr.model_name("gpt2-a"), "it2")
     assert v.source == f"models:/{best.model_id}" and v.run_id == best.source_run_id
     assert v.tags["iteration"] == "2" and v.tags["dvc_hash"] == best.tags["hacrl.dvc_hash"]
+    # the UI's model page: "registered" (it reads mlflow.modelVersions) and a description naming
+    # the checkpoint, its DVC hash and the shards it was trained on
+    import json
+
+    assert json.loads(best.tags["mlflow.modelVersions"]) == [{"name": tr.model_name("gpt2-a"), "version": v.version}]
+    note = best.tags["mlflow.note.content"]
+    assert best.tags["hacrl.checkpoint"] in note and best.tags["hacrl.dvc_hash"] in note and "runs/it2/rollouts/" in note
 
 
 def test_a_failed_stage_fails_its_iteration_run_with_the_stage_and_reason(tracked):

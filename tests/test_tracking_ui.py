@@ -11,12 +11,13 @@ def test_serve_links_the_experiments_training_runs(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = params.from_dict(params.compose(["experiment=smoke"]))
     url = runs_url("http://127.0.0.1:5000/", cfg, tmp_path)
-    assert url.startswith("http://127.0.0.1:5000/#/experiments/") and url.endswith("/runs")
+    # the machine-learning view: MLflow 3 may open its GenAI view (no Models tab) otherwise
+    assert url.startswith("http://127.0.0.1:5000/#/experiments/") and url.endswith("/runs?workflowType=machine_learning")
     assert runs_url("http://127.0.0.1:5000", cfg, tmp_path) == url  # created once, then found
     from mlflow.tracking import MlflowClient
 
     exp = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name(cfg.experiment.name)
-    assert url == f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs"
+    assert url == f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
     assert exp.artifact_location == (tmp_path / cfg.tracking.artifact_dir / cfg.experiment.name).as_uri()
 
 

@@ -215,7 +215,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     env = Path(args.project).resolve() / ENV_FILE
     print(f"Prefect UI   http://127.0.0.1:{st['prefect_port']}  (deployments hacrl/iterate, hacrl-stage/gpu)")
     if not args.no_mlflow_ui:
-        ui = f"http://127.0.0.1:{st['mlflow_port']}"
+        from hacrl.ops.tracking import ui_link
+
+        base = f"http://127.0.0.1:{st['mlflow_port']}"
+        ui = ui_link(base)  # the machine-learning view: MLflow 3 may open its GenAI view otherwise
         pfile = Path(args.project).resolve() / "params.yaml"
         if pfile.exists():  # straight to the experiment's training runs
             from hacrl.ops.tracking import runs_url
@@ -223,7 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             try:
                 cfg = params.load(pfile)
-                ui = runs_url(ui, cfg, Path(args.project)) if cfg.tracking.enabled else ui
+                ui = runs_url(base, cfg, Path(args.project)) if cfg.tracking.enabled else ui
             except Exception as e:  # noqa: BLE001 - the UI is up either way
                 log.warning("no experiment page: %s", e)
         print(f"MLflow UI    {ui}")

@@ -347,7 +347,9 @@ def iteration_markdown(project: Path, cfg, t: int, stages: dict[str, str], mlflo
 
     def link(text: str, route: str | None, ident: str | None) -> str:
         if ui and eid and route is not None:
-            return f"[{text}]({ui}/#/experiments/{eid}{route})"
+            from hacrl.ops.tracking import ui_link
+
+            return f"[{text}]({ui_link(ui, f'/experiments/{eid}{route}')})"
         return f"{text} (`{ident}`)" if ident else text
 
     lines = [f"# {cfg.experiment.name}: iteration {t} ({cfg.algorithm.name})", "",
@@ -365,6 +367,7 @@ def iteration_markdown(project: Path, cfg, t: int, stages: dict[str, str], mlflo
     it_run = runs.get("iterations", {}).get(str(t))
     mlflow_links = [link("training runs (one line per agent)", "/runs", eid),
                     link(f"iteration run it{t}", f"/runs/{it_run}", it_run) if it_run else None,
-                    link("checkpoints ranked by accuracy (Models tab)", "/models", None) if ui and eid else None]
+                    link("every checkpoint (the Models tab: one logged model per agent and iteration, newest first)",
+                         "/models", None) if ui and eid else None]
     lines.append("MLflow: " + " · ".join(x for x in mlflow_links if x))
     return "\n".join(lines) + "\n"

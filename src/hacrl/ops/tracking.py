@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
@@ -107,13 +108,23 @@ def foreign_store(cfg: Config, project_dir: Path) -> str | None:
     return None
 
 
+ML_VIEW = "workflowType=machine_learning"
+"""The query that opens MLflow 3's machine-learning view (runs, metrics, the Models tab); without it
+the UI may open its GenAI view (traces, no Models tab), which has nothing of this project."""
+
+
+def ui_link(ui: str, route: str = "") -> str:
+    """An MLflow UI URL for ``route`` (``/experiments/1/runs``...) in the machine-learning view."""
+    route = route or "/"
+    return f"{ui.rstrip('/')}/#{route}{'&' if '?' in route else '?'}{ML_VIEW}"
+
+
 def runs_url(ui: str, cfg: Config, project_dir: Path) -> str:
-    """The MLflow UI page of the experiment's training runs (MLflow 3 opens on its GenAI traces
-    view otherwise, empty here)."""
+    """The MLflow UI page of the experiment's training runs, in the machine-learning view."""
     from mlflow.tracking import MlflowClient
 
     eid = experiment_id(MlflowClient(tracking_uri(cfg, Path(project_dir))), cfg, project_dir)
-    return f"{ui.rstrip('/')}/#/experiments/{eid}/runs"
+    return ui_link(ui, f"/experiments/{eid}/runs")
 
 
 def tracking_uri(cfg: Config, project_dir: Path) -> str:
@@ -488,6 +499,7 @@ class Tracker:
                     "hacrl.checkpoint": rel, "hacrl.checkpoint_uri": path.as_uri(), "hacrl.dvc_hash": self._hash(path),
                     "hacrl.dvc_out": rel.rsplit("/", 1)[0], "hacrl.stage": f"{stage}@it{t}",
                     **{k: v for k, v in self._base_tags().items() if k != "hacrl.experiment"}}
+            tags["mlflow.note.content"] = self._model_description(agent, t, tags)
             model = self.client.create_logged_model(self.experiment_id, name=f"{sanitize(agent)}-it{t}",
                                                     source_run_id=it_run, tags=tags, model_type="hacrl-agent")
             self.client.log_model_params(model.model_id, params)
@@ -502,6 +514,23 @@ class Tracker:
             write_json(self._pointer(), doc)
         if outs:
             self.client.log_outputs(it_run, outs)
+
+    def _model_description(self, agent: str, t: int, tags: dict[str, str]) -> str:
+        """The logged model's description (the UI shows it; MLflow 3's model page shows no tags):
+        where the weights are, their DVC hash, the rollout shards they were trained on, and the
+        Prefect run that made them."""
+        lines = [f"**{agent}** after iteration {t} ({self.cfg.algorithm.name}).", "",
+                 f"- checkpoint: `{tags['hacrl.checkpoint']}` (DVC output `{tags['hacrl.dvc_out']}`, "
+                 f"md5 `{tags['hacrl.dvc_hash']}`); `dvc checkout {tags['hacrl.dvc_out']}` restores it",
+                 f"- written by stage `{tags['hacrl.stage']}`, config digest `{tags.get('hacrl.config_digest', '?')}`, "
+                 f"commit `{tags.get('hacrl.git_commit', '?')}`"]
+        if t > 0:
+            shards = self.layout.rollouts(t)
+            rel = shards.relative_to(self.project).as_posix() if shards.is_relative_to(self.project) else shards.name
+            lines.append(f"- trained on the rollout shards `{rel}/` and the learner inputs of iteration {t}")
+        if self.flow_run_url:
+            lines.append(f"- Prefect run: {self.flow_run_url}")
+        return "\n".join(lines)
 
     def _register(self, agent: str, t: int, model) -> None:
         from mlflow.exceptions import MlflowException
@@ -533,4 +562,12 @@ class Tracker:
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = env_before
         self.client.set_registered_model_alias(name, f"it{t}", mv.version)
-        self.client.set_logged_model_tags(model.model_id, {"hacrl.model_version": f"{name}/{mv.version}"})
+        # the UI's "Model versions" of a logged model reads mlflow.modelVersions, which
+        # create_model_version does not set (mlflow.register_model does, printing to stderr)
+        from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+        known = json.loads(self.client.get_logged_model(model.model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+        entry = {"name": name, "version": mv.version}
+        self.client.set_logged_model_tags(model.model_id, {
+            "hacrl.model_version": f"{name}/{mv.version}",
+            MLFLOW_MODEL_VERSIONS: json.dumps(known + [entry] if entry not in known else known)})

@@ -45,7 +45,8 @@ def summarize(results: list[dict]) -> dict:
 
 def _train_figures(row: dict, agent: str) -> str:
     """One table cell: the cross ratio's median and share clipped below per peer, the cross
-    share of the objective and the KL, as the learner saw them (means over iterations and seeds)."""
+    share of the objective, the KL, the entropy and the update-to-weight norm per optimizer step,
+    as the learner saw them (means over iterations and seeds)."""
     t = row.get("train", {})
     parts = []
     for k, v in t.items():
@@ -63,6 +64,8 @@ def _train_figures(row: dict, agent: str) -> str:
         parts.append(f"KL to init {t['kl_init_before_step']:.4f}")
     if "entropy" in t:
         parts.append(f"entropy {t['entropy']:.3f}")
+    if "update_to_weight" in t:  # the step size as the model felt it, whatever the lr
+        parts.append(f"step {t['update_to_weight']:.1e} of the weights' norm")
     return "; ".join(parts) or "-"
 
 
