@@ -1,4 +1,4 @@
-"""What a user is pointed at in MLflow: the experiment's training runs, telemetry off."""
+"""What a user is pointed at: the MLflow pages (machine-learning view), telemetry off, the CLI's help."""
 
 from pathlib import Path
 
@@ -29,3 +29,26 @@ def test_services_and_stages_run_with_mlflow_telemetry_off():
     out = subprocess.run([sys.executable, "-c", "import os, hacrl.cli; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "true"
+
+
+def test_the_command_line_explains_itself():
+    """Bare ``hacrl`` prints what it can do (exit 0); every command's --help has a description and
+    every option a help text."""
+    import argparse
+    import subprocess
+    import sys
+
+    from hacrl.cli import build_parser
+
+    bare = subprocess.run([sys.executable, "-m", "hacrl.cli"], capture_output=True, text=True)
+    assert bare.returncode == 0 and "COMMAND" in bare.stdout and "``" not in bare.stdout
+    parser = build_parser()
+    (subs,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name, sp in [("hacrl", parser), *subs.choices.items()]:
+        if not sp.description:
+            missing.append(f"{name}: description")
+        for a in sp._actions:
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help:
+                missing.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
+    assert not missing, missing

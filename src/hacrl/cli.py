@@ -293,15 +293,61 @@ def main(argv: list[str] | None = None) -> int:
             rc = stage_server.run_remote(sys.argv[1:], entry="hacrl.cli:main")
             if rc is not None:
                 return rc
-    parser = argparse.ArgumentParser(prog="hacrl", description=__doc__)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # bare `hacrl`: what it can do, not an error
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level.upper())
+
+    from hacrl.errors import ConfigError, DataError, NonFiniteLossError, UnsafeStateError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError, FileNotFoundError, UnsafeStateError) as e:
+        print(f"hacrl: error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLossError as e:
+        print(f"hacrl: error: {e}; no checkpoint was written", file=sys.stderr)
+        return 3
+
+
+DESCRIPTION = """Post-train a pool of heterogeneous LLMs together with RL on verifiable rewards.
+
+Typical use: `make run` (the embedded experiment through dvc repro), `make serve` then
+`hacrl iterate` (one iteration as a Prefect flow run), `hacrl config KEY=VALUE...` (change the
+experiment), `hacrl compare --suite hacpo` (compare algorithms). `hacrl COMMAND --help` says more."""
+
+
+class _Sub:
+    """``add_subparsers`` whose commands' --help repeats their one-line help as description."""
+
+    def __init__(self, sub):
+        self.sub = sub
+
+    def add_parser(self, name: str, **kw):
+        kw.setdefault("description", kw.get("help"))
+        return self.sub.add_parser(name, **kw)
+
+
+PARAMS_HELP = "params file (default: $HACRL_PARAMS or params.yaml)"
+PROJECT_HELP = "the project's directory (default: the current one)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hacrl`` command line: every command and option with its help text."""
+    parser = argparse.ArgumentParser(prog="hacrl", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     from hacrl import __version__
 
     parser.add_argument("--version", action="version", version=f"hacrl {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--log-level", default=os.environ.get("HACRL_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (default: $HACRL_LOG_LEVEL or INFO)")
+    sub = _Sub(parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND"))
     c = sub.add_parser("config", help="compose conf/ (+ Hydra overrides) into params.yaml")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algorithm=gspo rollout.group_size=4")
-    c.add_argument("--out", default="params.yaml")
+    c.add_argument("--out", default="params.yaml", help="where to write the composed config (default: params.yaml)")
     c.add_argument("--check", action="store_true", help="only check that --out equals the composition")
     c.add_argument("--doc", action="store_true", help="print every setting (default, type, rule, what it does) "
                                                       "as Markdown: docs/CONFIG.md")
@@ -311,35 +357,35 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)",
                        description="Run one pipeline stage for one iteration; dvc.yaml calls this for every stage.")
     s.add_argument("name", metavar="NAME", help="one of: " + ", ".join(table.names()))
-    s.add_argument("--iteration", "-t", type=int, default=0)
-    s.add_argument("--params", default=None, help="params file (default: $HACRL_PARAMS or params.yaml)")
-    s.add_argument("--print-result", action="store_true")
+    s.add_argument("--iteration", "-t", type=int, default=0, help="the iteration T the stage runs for (default: 0)")
+    s.add_argument("--params", default=None, help=PARAMS_HELP)
+    s.add_argument("--print-result", action="store_true", help="print the stage's result (JSON) when it ends")
     s.set_defaults(fn=cmd_stage)
     ist = sub.add_parser("input-stamp", help="hash one input from outside the repository (dvc.yaml's "
                                              "external-input stage: task files, real models)")
-    ist.add_argument("key")
-    ist.add_argument("--params", default=None)
+    ist.add_argument("key", help="the input's config key, e.g. data.train_path")
+    ist.add_argument("--params", default=None, help=PARAMS_HELP)
     ist.set_defaults(fn=cmd_input_stamp)
     tr = sub.add_parser("track", help="wait until every finished stage is logged to MLflow "
                                       "(stages queue their records; a background process logs them)")
-    tr.add_argument("--params", default=None)
+    tr.add_argument("--params", default=None, help=PARAMS_HELP)
     tr.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running flusher")
     tr.set_defaults(fn=cmd_track)
     al = sub.add_parser("algorithms", help="list the algorithm presets, estimators and losses with their options")
     al.set_defaults(fn=cmd_algorithms)
     r = sub.add_parser("run", help="run every stage in one process, without DVC: the same outputs `dvc repro` "
                                    "tracks (runs/, reports/), not recorded in dvc.lock (sweeps, timing)")
-    r.add_argument("--params", default=None)
+    r.add_argument("--params", default=None, help=PARAMS_HELP)
     r.set_defaults(fn=cmd_run)
     cp = sub.add_parser("compare", help="run a comparison suite (e.g. hacpo) and write reports/<suite>/")
-    cp.add_argument("--suite", default="hacpo")
+    cp.add_argument("--suite", default="hacpo", help="hacpo or mutual (default: hacpo)")
     cp.add_argument("--setting", default="default",
                     help="the suite's setting (hacpo: default, shared_tok, worked; mutual: default, worked); "
                          "reports/<suite>/<setting>/")
-    cp.add_argument("--seeds", type=int, default=3)
+    cp.add_argument("--seeds", type=int, default=3, help="reported seeds 0..SEEDS-1 per contender (default: 3)")
     cp.add_argument("--contenders", default=None, help="comma-separated subset (default: the whole suite)")
     cp.add_argument("--work-dir", default="compare", help="scratch directory (pool, per-run state)")
-    cp.add_argument("--reports-dir", default="reports")
+    cp.add_argument("--reports-dir", default="reports", help="where reports/<suite>/<setting>/ goes")
     cp.add_argument("--resume", action="store_true",
                     help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
     cp.add_argument("--dry-run", action="store_true", help="validate every contender's config and print the plan")
@@ -356,19 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("suite", help="all, rollout, update, verify, evaluate, align or pipeline")
     b.add_argument("--size", default="full", help="full (minutes per suite) or smoke (seconds, for CI)")
     b.add_argument("--reps", type=int, default=None, help="measured rounds after the warm-up (default: per suite)")
-    b.add_argument("--out", default="reports/bench")
+    b.add_argument("--out", default="reports/bench", help="where SUITE.json and SUITE.md go (default: reports/bench)")
     b.set_defaults(fn=cmd_bench)
     sv = sub.add_parser("serve", help="start Prefect (server, pools, deployments, workers) and the MLflow UI")
-    sv.add_argument("--project", default=".")
+    sv.add_argument("--project", default=".", help=PROJECT_HELP)
     sv.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)),
                     help="0 picks a free port")
-    sv.add_argument("--mlflow-port", type=int, default=int(os.environ.get("MLFLOW_PORT", 5000)))
+    sv.add_argument("--mlflow-port", type=int, default=int(os.environ.get("MLFLOW_PORT", 5000)),
+                    help="the MLflow UI's port (default: $MLFLOW_PORT or 5000)")
     sv.add_argument("--gpu-workers", type=int, default=None, help="workers on the gpu pool (default: 1 if GPUs)")
-    sv.add_argument("--no-mlflow-ui", action="store_true")
+    sv.add_argument("--no-mlflow-ui", action="store_true", help="start Prefect only")
     sv.set_defaults(fn=cmd_serve)
     it = sub.add_parser("iterate", help="run the next RL iteration as a Prefect flow run named iterate-itT "
                                          "(after `make serve`) and follow its stages")
-    it.add_argument("--project", default=".")
+    it.add_argument("--project", default=".", help=PROJECT_HELP)
     it.add_argument("--iteration", type=int, default=None, help="default: the first one not done, or the next new one")
     it.add_argument("--force", action="store_true", help="re-run the iteration's stages even if up to date")
     it.add_argument("--no-watch", action="store_true", help="create the flow run and return")
@@ -377,31 +424,19 @@ def main(argv: list[str] | None = None) -> int:
     rs = sub.add_parser("resources", help="print the MWRA plan: which devices each agent's rollout and "
                                           "update use, and what runs at the same time")
     rs.add_argument("overrides", nargs="*", help="Hydra overrides (default: read --params)")
-    rs.add_argument("--params", default=None)
-    rs.add_argument("--json", action="store_true")
+    rs.add_argument("--params", default=None, help=PARAMS_HELP)
+    rs.add_argument("--json", action="store_true", help="print the plan as JSON")
     rs.set_defaults(fn=cmd_resources)
     sh = sub.add_parser("sharing", help="how well a run's agents share: THL residuals and cross ratios per pair, "
                                          "held-out accuracy per iteration (Markdown)")
-    sh.add_argument("--runs-dir", default="runs")
-    sh.add_argument("--title", default="")
+    sh.add_argument("--runs-dir", default="runs", help="the run's runs/ directory (default: runs)")
+    sh.add_argument("--title", default="", help="the report's title")
     sh.add_argument("--out", help="write the Markdown here (default: print it)")
     sh.set_defaults(fn=cmd_sharing)
     st = sub.add_parser("stop", help="stop what `hacrl serve` started")
-    st.add_argument("--project", default=".")
+    st.add_argument("--project", default=".", help=PROJECT_HELP)
     st.set_defaults(fn=cmd_stop)
-    args = parser.parse_args(argv)
-    _setup_logging(args.log_level.upper())
-
-    from hacrl.errors import ConfigError, DataError, NonFiniteLossError, UnsafeStateError
-
-    try:
-        return args.fn(args)
-    except (ConfigError, DataError, FileNotFoundError, UnsafeStateError) as e:
-        print(f"hacrl: error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as e:
-        print(f"hacrl: error: {e}; no checkpoint was written", file=sys.stderr)
-        return 3
+    return parser
 
 
 if __name__ == "__main__":
