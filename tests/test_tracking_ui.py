@@ -25,7 +25,9 @@ def test_services_and_stages_run_with_mlflow_telemetry_off():
     import subprocess
     import sys
 
-    assert service_env(Path("/p"), 4200, 5000)["MLFLOW_DISABLE_TELEMETRY"] == "true"
+    env = service_env(Path("/p"), 4200, 5000)
+    assert env["MLFLOW_DISABLE_TELEMETRY"] == "true" and env["DO_NOT_TRACK"] == "1"
+    assert env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
     out = subprocess.run([sys.executable, "-c", "import os, hacrl.cli; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "true"
