@@ -69,7 +69,7 @@ def service_env(project: Path, prefect_port: int, mlflow_port: int) -> dict[str,
         "PREFECT_HOME": str(project / ".prefect"),
         "PREFECT_API_URL": f"http://{HOST}:{prefect_port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # the Prefect CLI's own telemetry banner and events, off as the README says
+        # the Prefect CLI's own telemetry banner and events, off as docs/OPERATIONS.md says
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_API_HOST": HOST,
         "PREFECT_SERVER_API_PORT": str(prefect_port),
