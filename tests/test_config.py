@@ -149,30 +149,49 @@ def test_cli_says_its_version_and_lists_the_stages():
 
 
 TYPE_ERRORS = [  # override -> the one line it gets
-    ("trainer.lr=abc", "trainer.lr: invalid value 'abc' (expected a number)"),
-    ("rollout.temperature='1.0'", "rollout.temperature: invalid value '1.0' (expected a number)"),
-    ("data.levels=add", "data.levels: invalid value 'add' (expected a mapping to numbers)"),
-    ("trainer.adam_betas=0.9", "trainer.adam_betas: invalid value 0.9 (expected a list of numbers)"),
+    ("trainer.lr=abc", "trainer.lr: invalid value 'abc' (expected a finite number)"),
+    ("rollout.temperature='1.0'", "rollout.temperature: invalid value '1.0' (expected a finite number)"),
+    ("data.levels=add", "data.levels: invalid value 'add' (expected a mapping to finite numbers)"),
+    ("trainer.adam_betas=0.9", "trainer.adam_betas: invalid value 0.9 (expected a list of finite numbers)"),
     ("trainer.adam_betas=[0.9,1.5]", "trainer.adam_betas: invalid value [0.9, 1.5] (two numbers in [0, 1))"),
     ("tracking.enabled='false'", "tracking.enabled: invalid value 'false' (expected true or false)"),
     ("trainer.epochs=1.5", "trainer.epochs: invalid value 1.5 (expected an integer)"),
-    ("reward.timeout_s=-1", "reward.timeout_s: invalid value -1.0 (must be > 0)"),
-    ("reward.timeout_s=0", "reward.timeout_s: invalid value 0.0 (must be > 0)"),
-    ("reward.workers=0", "reward.workers: invalid value 0 (must be >= 1)"),
-    ("experiment.iterations=0", "experiment.iterations: invalid value 0 (must be >= 1)"),
+    ("reward.timeout_s=-1", "reward.timeout_s: invalid value -1.0 (must be > 0"),
+    ("reward.timeout_s=0", "reward.timeout_s: invalid value 0.0 (must be > 0"),
+    ("reward.workers=0", "reward.workers: invalid value 0 (must be >= 1"),
+    ("experiment.iterations=0", "experiment.iterations: invalid value 0 (must be >= 1"),
     ("data.heldout_fraction=1", "data.heldout_fraction: invalid value 1.0 (must be > 0 and < 1)"),
-    ("agents.0.warmup.lr=-1", "agents[0].warmup.lr: invalid value -1.0 (must be > 0)"),
+    ("agents.0.warmup.lr=-1", "agents[0].warmup.lr: invalid value -1.0 (must be > 0"),
     ("experiment.name=\"x' or name != '\"", "experiment.name: invalid value \"x' or name != '\" (letters, digits,"),
     ("algoritm=gspo", "algoritm: unknown key (did you mean 'algorithm'? the config has: experiment, data, "
                       "agents, algorithm, rollout, trainer, reward, eval, engines, orchestration, tracking, resources)"),
     ("trainer.lrr=1", "trainer.lrr: unknown key (did you mean 'trainer.lr'? trainer has: backend, zero_stage, lr,"),
+    # non-finite numbers pass no range check: refused as a class, whatever the field
+    ("reward.timeout_s=inf", "reward.timeout_s: invalid value inf (expected a finite number)"),
+    ("rollout.temperature=inf", "rollout.temperature: invalid value inf (expected a finite number)"),
+    ("trainer.lr=nan", "trainer.lr: invalid value nan (expected a finite number)"),
+    ("data.levels.add=inf", "data.levels: invalid value {"),
+    ("trainer.adam_betas=[0.9,inf]", "trainer.adam_betas: invalid value [0.9, inf] (expected a list of finite numbers)"),
+    ("agents.0.warmup.lr=inf", "agents[0].warmup.lr: invalid value inf (expected a finite number)"),
+    ("algorithm=hacpo|algorithm.loss.alpha=inf", "algorithm.loss.alpha: invalid value inf (expected a finite number)"),
+    # upper bounds: what no machine or model context allows, or what only a typo gives
+    ("reward.timeout_s=1e10", "reward.timeout_s: invalid value 10000000000.0 (must be > 0 and <= 3600)"),
+    ("rollout.group_size=1000000", "rollout.group_size: invalid value 1000000 (must be >= 2 and <= 4096"),
+    ("reward.workers=1000", "reward.workers: invalid value 1000 (must be >= 1 and <= 64"),
+    ("trainer.lr=3", "trainer.lr: invalid value 3.0 (must be > 0 and <= 1)"),
+    ("experiment.seed=4294967296", "experiment.seed: invalid value 4294967296 (must be >= 0 and <= 4294967295)"),
+    ("rollout.prompts_per_iteration=2000000", "rollout.prompts_per_iteration: invalid value 2000000 (2000000 prompts x 8 "
+                                               "samples x 3 agents = 48,000,000 samples per iteration, held in memory"),
+    # a label that names a preset must run it
+    ("algorithm.name=gspo", "algorithm.name: invalid value 'gspo' (the gspo preset runs loss gspo, this config loss grpo"),
+    ("algorithm=hacpo|algorithm.name=grpo", "algorithm.name: invalid value 'grpo' (the grpo preset runs advantage grpo, loss grpo"),
 ]
 
 
 @pytest.mark.parametrize("override,message", TYPE_ERRORS)
 def test_a_bad_value_is_one_line_naming_key_value_and_expected_type(override, message):
     with pytest.raises(ConfigError) as e:
-        params.compose([override])
+        params.compose(override.split("|"))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
@@ -185,11 +204,26 @@ def test_a_hand_edited_params_file_reads_as_hydra_and_dvc_read_it(tmp_path):
     p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data", "--params", str(tmp_path / "b.yaml")],
                        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HACRL_STAGE_SERVER": "0"})
     assert p.returncode == 2 and p.stderr.strip() == \
-        "hacrl: error: rollout.temperature: invalid value '1.0' (expected a number)"
+        "hacrl: error: rollout.temperature: invalid value '1.0' (expected a finite number)"
     assert not (tmp_path / "data").exists()  # refused before any work
     (tmp_path / "c.yaml").write_text("experiment: [\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:2: not valid YAML"):
         params.load(tmp_path / "c.yaml")
+    # a YAML alias bomb is refused at the first alias, before it expands
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(20))
+    (tmp_path / "d.yaml").write_text(bomb + text)
+    with pytest.raises(ConfigError, match=r"d\.yaml:2: not valid YAML \(an alias \(\*a\): YAML aliases are not accepted\)"):
+        params.load(tmp_path / "d.yaml")
+
+
+def test_the_label_of_a_variant_is_its_own_and_every_compare_contender_composes():
+    """A renamed variant (GSPO x n, an ablation under the preset's name) is accepted: only a label
+    naming another preset than what runs is refused."""
+    cfg = params.from_dict(params.compose(["algorithm=gspo_x2", "algorithm.sample_multiplier=3", "algorithm.name=gspo_x3",
+                                                 "algorithm.minibatch_order=prompt_groups"]))
+    assert cfg.algorithm.name == "gspo_x3"
+    assert params.from_dict(params.compose(["algorithm=hacpo", "algorithm.loss.cross_weight=0"])).algorithm.name == "hacpo"
 
 
 def test_an_agent_path_that_is_not_a_model_is_refused_at_config_time(tmp_path):
@@ -297,5 +331,20 @@ def test_the_settings_reference_is_the_schema():
 
     assert (ROOT / "docs" / "CONFIG.md").read_text() == reference() + "\n"
     text = reference()
-    assert "| `rollout.max_new_tokens` | int | `20` | >= 1 |" in text
+    assert "| `rollout.max_new_tokens` | int | `20` | >= 1, <= 1048576 |" in text
     assert "| `trainer.dtype` | str | `\"fp32\"` | one of `fp32`, `bf16` |" in text
+
+
+def test_a_task_path_of_the_wrong_kind_is_one_line(tmp_path):
+    """A directory where a file is read (or the reverse) is refused at config time, not a traceback
+    inside prepare-data."""
+    d = tmp_path / "dir"
+    d.mkdir()
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"problem": "1+1", "answer": "2"}\n')
+    for fmt, train, why in [("auto", d, "a directory that datasets.save_to_disk did not write"),
+                            ("jsonl", d, "a directory, not a jsonl file"),
+                            ("hf_disk", f, "a file: data=hf_disk reads")]:
+        with pytest.raises(ConfigError) as e:
+            params.compose(["data=files", f"data.train_path={train}", f"data.heldout_path={f}", f"data.format={fmt}"])
+        assert str(e.value).startswith(f"data.train_path: invalid value '{train}' ({why}"), str(e.value)

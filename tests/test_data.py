@@ -242,15 +242,30 @@ def test_gold_extraction_shapes():
     assert sources.gsm8k_answer("no marker") is None and sources.gsm8k_answer("####  ") is None
 
 
+@pytest.mark.parametrize("fmt,field", [("raw", "5."), ("raw", "5,"), ("raw", " 5 ; "), ("gsm8k", "so it is 5\n#### 5."),
+                                       ("boxed", "thus \\boxed{5.}")])
+def test_a_gold_answer_with_trailing_punctuation_scores_the_right_answer_correct(fmt, field):
+    """``5.`` as gold made math-verify score every answer to the prompt wrong: the sentence
+    punctuation goes, in every answer format; a factorial's ``!`` and a decimal point stay."""
+    from hacrl.task import rewards
+
+    gold = sources.extract_answer(field, fmt)
+    assert gold == "5"
+    assert rewards.check(gold, "\\boxed{5}") == "correct" and rewards.check(gold, "\\boxed{6}") == "wrong"
+    assert sources.extract_answer("5!", "raw") == "5!" and sources.extract_answer("3.5.", "raw") == "3.5"
+
+
 def test_prepare_data_reads_a_saved_dataset_through_the_config(tmp_path, monkeypatch):
     import datasets
 
     from hacrl.pipeline import params
     from hacrl.pipeline.stages.prepare_data import prepare_data
 
-    rows = [{"question": f"What is {i} + {i}?", "answer": f"Twice {i}.\n#### {2 * i:,}"} for i in range(995, 1025)]
-    for split in ("train", "test"):
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "gsm" / split))
+    def rows(lo):
+        return [{"question": f"What is {i} + {i}?", "answer": f"Twice {i}.\n#### {2 * i:,}"} for i in range(lo, lo + 30)]
+
+    for split, lo in (("train", 995), ("test", 2000)):
+        datasets.Dataset.from_list(rows(lo)).save_to_disk(str(tmp_path / "gsm" / split))
     d = params.compose(["data=hf_disk", f"data.train_path={tmp_path / 'gsm' / 'train'}",
                         f"data.heldout_path={tmp_path / 'gsm' / 'test'}", "data.fields.problem=question",
                         "data.answer_format=gsm8k", "data.dev_size=5"])
@@ -262,4 +277,33 @@ def test_prepare_data_reads_a_saved_dataset_through_the_config(tmp_path, monkeyp
     from hacrl.storage import RunLayout
 
     held = data.read_jsonl(tmp_path / RunLayout().tasks / "heldout.jsonl")
-    assert held[0] == {"id": "test-000001", "problem": "What is 995 + 995?", "answer": "1990", "level": "all"}
+    assert held[0] == {"id": "test-000001", "problem": "What is 2000 + 2000?", "answer": "4000", "level": "all"}
+
+
+def test_a_heldout_set_that_overlaps_train_is_refused_or_dropped_and_counted(tmp_path, monkeypatch):
+    """Held-out accuracy measured on training problems is refused; with heldout_overlap=drop the
+    shared problems leave the held-out set and the manifest counts them. Text, not ids, decides:
+    case and spacing aside."""
+    import json
+
+    from hacrl.errors import DataError
+    from hacrl.pipeline import params
+    from hacrl.pipeline.stages.prepare_data import prepare_data
+
+    train = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(50)]
+    held = [{"id": str(i), "problem": f"what is  {i} + 1?" if i < 3 else f"What is {i} + 2?", "answer": "0"}
+            for i in range(20)]  # 3 leaked (other case, other spacing); equal ids alone are no leak
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    monkeypatch.chdir(tmp_path)
+    base = ["data=files", f"data.train_path={tmp_path / 'train.jsonl'}", f"data.heldout_path={tmp_path / 'held.jsonl'}",
+            "data.dev_size=5"]
+    with pytest.raises(DataError, match=r"held\.jsonl: 3 of 20 held-out problems are also training or dev problems"):
+        prepare_data(params.from_dict(params.compose(base)))
+    from hacrl.storage import RunLayout
+
+    assert not (tmp_path / RunLayout().tasks).exists()  # nothing written
+    res = prepare_data(params.from_dict(params.compose(base + ["data.heldout_overlap=drop"])))
+    assert res.metrics["tasks/heldout"] == 17
+    manifest = json.loads((tmp_path / RunLayout().tasks / "manifest.json").read_text())
+    assert manifest["heldout_overlap_dropped"] == 3

@@ -256,8 +256,8 @@ def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_
 
     files = tmp_path / "tasks"
     files.mkdir()
-    for name in ("train.jsonl", "held.jsonl"):
-        (files / name).write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)}) + "\n"
+    for name, k in (("train.jsonl", 1), ("held.jsonl", 2)):  # disjoint: an overlap is refused
+        (files / name).write_text("".join(json.dumps({"problem": f"What is {i}+{k}?", "answer": str(i + k)}) + "\n"
                                           for i in range(60)))
     ws = dvc_workspace(tmp_path / "ws", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
     _config(ws, "data=files", f"data.train_path={files / 'train.jsonl'}", f"data.heldout_path={files / 'held.jsonl'}",

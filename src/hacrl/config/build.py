@@ -11,6 +11,7 @@ becomes a float. YAML is read and written as Hydra and DVC read it (YAML 1.2 num
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -21,7 +22,7 @@ import yaml
 
 from hacrl.errors import ConfigError
 
-_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_WORDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 
 
 def build(cls: type, data: Any, key: str = "") -> Any:
@@ -86,8 +87,8 @@ def _is_union(t: Any) -> bool:
 def _scalar_ok(v: Any, t: Any) -> bool:
     if t is Any:
         return True
-    if t is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t is float:  # inf and nan pass no range check and poison what they reach
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if t is int:
         return isinstance(v, int) and not isinstance(v, bool)
     if t in (str, bool):
@@ -125,7 +126,15 @@ def typed(v: Any, t: Any, key: str) -> Any:
 
 class Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader, reading ``5e-4`` as the float YAML 1.2 (Hydra, DVC) reads, not as
-    a string (YAML 1.1 wants a dot in a float)."""
+    a string (YAML 1.1 wants a dot in a float). Aliases (``*name``) are refused: nothing this
+    project writes has one, and nested aliases expand exponentially (a "billion laughs" file)."""
+
+    def compose_node(self, parent, index):  # noqa: D102 - PyYAML's hook
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias (*{ev.anchor}): YAML aliases are not accepted",
+                                              ev.start_mark)
+        return super().compose_node(parent, index)
 
 
 class Yaml12Dumper(yaml.SafeDumper):

@@ -62,9 +62,9 @@ def _rule(f: dataclasses.Field) -> str:
     if r.choices is not None:
         parts.append("one of " + ", ".join(f"`{c}`" for c in r.choices))
     if r.lo is not None:
-        parts.append(f"{'>' if r.lo_open else '>='} {r.lo:g}")
+        parts.append(f"{'>' if r.lo_open else '>='} {schema._num(r.lo)}")
     if r.hi is not None:
-        parts.append(f"{'<' if r.hi_open else '<='} {r.hi:g}")
+        parts.append(f"{'<' if r.hi_open else '<='} {schema._num(r.hi)}")
     if r.pattern is not None:
         parts.append(r.why or f"matches `{r.pattern}`")
     elif r.why:

@@ -23,6 +23,11 @@ from hacrl.errors import ConfigError
 _NO_DEFAULT = dataclasses.MISSING
 
 
+def _num(x: float) -> str:
+    """A bound as people write it: whole numbers in full (4294967295, not 4.29497e+09)."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+
+
 @dataclass(frozen=True)
 class Rule:
     """What one setting accepts besides its type: a range, a set of choices and/or a pattern."""
@@ -47,8 +52,8 @@ class Rule:
         values = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else [value]
         if (self.lo is not None or self.hi is not None) and any(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and not self._in_range(v) for v in values):
-            left = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {self.lo:g}"
-            right = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {self.hi:g}"
+            left = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+            right = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
             return self._said(f"must be {' and '.join(x for x in (left, right) if x)}")
         return None
 
@@ -121,15 +126,15 @@ class ExperimentConfig(Settings):
     name: str = setting("embedded-arith", pattern=r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}",
                         why="letters, digits, spaces, '.', '_' and '-', starting with a letter or digit")
     """The experiment's name: MLflow experiment, registered-model prefix, Prefect artifact key."""
-    seed: int = setting(0, ge=0)
+    seed: int = setting(0, ge=0, le=2**32 - 1)
     """Master seed: task data, warm-up, prompt choice per iteration and sampling derive from it."""
-    pool_seed: int | None = setting(None, ge=0)
+    pool_seed: int | None = setting(None, ge=0, le=2**32 - 1)
     """Seed of the pool alone: an embedded agent's initial weights and every agent's warm-up
     (null: the initial weights' fixed seed 0 and ``experiment.seed`` for the warm-up). The task data
     stay those of ``experiment.seed``: a comparison varies warm-up pools on the same problems."""
-    iterations: int = setting(6, ge=1)
+    iterations: int = setting(6, ge=1, le=10_000)
     """Number of RL iterations; each one is the six stages. Raising it runs only new ones."""
-    threads: int = setting(2, ge=1)
+    threads: int = setting(2, ge=1, le=1024)
     """torch intra-op threads per stage process (never run two 2-thread torch jobs at once)."""
     runs_dir: str = "runs"
     """Where the iterations' artifacts go (``runs/itT/...``, DVC-tracked)."""
@@ -163,13 +168,13 @@ class DataConfig(Settings):
     """Difficulty levels of the procedural task and their sampling weights (add, sub, add3, mul,
     frac). A task preset states its mix whole (``conf/data/arith.yaml``: add 0.4, sub 0.4, add3
     0.2); a level is added with ``+data.levels.mul=0.5``, removed with ``~data.levels.add``."""
-    max_operand: int = setting(99, ge=1)
+    max_operand: int = setting(99, ge=1, le=10**9)
     """The largest operand of a procedural problem."""
-    train_size: int = setting(15000, ge=0)
+    train_size: int = setting(15000, ge=0, le=10**8)
     """Procedural training problems (>= 1 for the procedural task)."""
-    heldout_size: int = setting(1200, ge=0)
+    heldout_size: int = setting(1200, ge=0, le=10**7)
     """Procedural held-out problems (the evaluation's; >= 1 for the procedural task)."""
-    dev_size: int = setting(300, ge=1)
+    dev_size: int = setting(300, ge=1, le=10**7)
     """Dev problems: the warm-up's stopping set (files: drawn from the training file)."""
     heldout_fraction: float = setting(0.2, gt=0, lt=1)
     """Fraction of the problem space reserved (by hash) for held-out and dev problems."""
@@ -190,6 +195,10 @@ class DataConfig(Settings):
     follows ``####``, thousands separators dropped)."""
     on_bad_row: str = setting("error", choices=("error", "skip"))
     """``error``: a malformed row fails with file and line; ``skip``: skipped and counted."""
+    heldout_overlap: str = setting("error", choices=("error", "drop"))
+    """A held-out problem whose text (case and spacing aside) is also a training or dev problem:
+    ``error`` refuses the files (held-out accuracy would be measured on training problems);
+    ``drop`` removes it from the held-out set, counted in ``data/tasks/manifest.json``."""
     completion: str = setting("answer", choices=("answer", "worked"))
     """What the warm-up targets write after the prompt: the boxed ``answer`` alone, or a short
     ``worked`` solution before it (procedural task only; responses of tens of tokens, so raise
@@ -210,7 +219,7 @@ class TokenizerConfig(Settings):
     kind: str = "bytelevel_bpe"
     """An embedded agent's tokenizer, trained on the task's texts (``hacrl.agents.pool``:
     bytelevel_bpe, metaspace_bpe, bytelevel_unigram)."""
-    vocab_size: int = setting(300, ge=1)
+    vocab_size: int = setting(300, ge=1, le=10**7)
     """Vocabulary of the trained tokenizer (specials and the byte alphabet included)."""
     path: str | None = None
     """For a real model: a local tokenizer directory (defaults to the model path)."""
@@ -220,15 +229,15 @@ class TokenizerConfig(Settings):
 class WarmupConfig(Settings):
     target_accuracy: float = setting(0.3, ge=0, le=1)
     """Stop the supervised warm-up once dev accuracy reaches this (weak/mid/strong pool)."""
-    max_steps: int = setting(0, ge=0)
+    max_steps: int = setting(0, ge=0, le=10**8)
     """Supervised warm-up budget in steps; 0 (the default, e.g. for a real pretrained model) skips it."""
-    min_steps: int = setting(0, ge=0)
+    min_steps: int = setting(0, ge=0, le=10**8)
     """Steps before the target may stop the warm-up."""
-    lr: float = setting(3e-3, gt=0)
+    lr: float = setting(3e-3, gt=0, le=1.0)
     """AdamW's learning rate of the supervised warm-up."""
-    batch_size: int = setting(128, ge=1)
+    batch_size: int = setting(128, ge=1, le=10**6)
     """Problems per warm-up step."""
-    eval_every: int = setting(100, ge=1)
+    eval_every: int = setting(100, ge=1, le=10**8)
     """Steps between two dev evaluations (each may stop the warm-up)."""
 
 
@@ -286,7 +295,7 @@ class ThlConfig(Settings):
     """Inside a word, also cut at every character position where both tokenizations have a token
     boundary, so identical tokenizations align token for token; False spreads each word's mass
     evenly over the learner tokens of the word."""
-    residual_sample: int = setting(512, ge=0)
+    residual_sample: int = setting(512, ge=0, le=10**7)
     """Records per producer on which exchange-and-align measures THL's residuals for the pairs
     that the subscription does not retokenise (the pairs it does are measured on every record)."""
 
@@ -319,13 +328,13 @@ class StreamConfig(Settings):
 class CapabilityConfig(Settings):
     """Capability statistics of compute-capability-stats (docs/ALGORITHMS.md, "Capability")."""
 
-    window: int = setting(5, ge=1)
+    window: int = setting(5, ge=1, le=10**6)
     """K: P_hat is the mean step accuracy over the last K steps, the current one included."""
     omega_min: float = setting(0.1, gt=0, le=1)
     """Lower clamp of the capability ratio."""
-    omega_max: float = setting(10.0, ge=1)
+    omega_max: float = setting(10.0, ge=1, le=10**6)
     """Clamp of the capability ratio omega[a][b] = P_hat[a] / P_hat[b]: 0 < omega_min <= 1 <= omega_max."""
-    warmup_steps: int = setting(0, ge=0)
+    warmup_steps: int = setting(0, ge=0, le=10**8)
     """Steps during which omega is fixed to 1."""
 
 
@@ -352,9 +361,9 @@ class AlgorithmConfig(Settings):
     """What the learner takes from the experience stream, in this order; trajectory-shaped records
     become its training rows (within a stream its own first), the other types side tables (e.g.
     pooled reward statistics). Streams may not overlap."""
-    kl_coef: float = setting(0.0, ge=0)
+    kl_coef: float = setting(0.0, ge=0, le=100.0)
     """beta of the low-variance KL (k3) to the initial model, on the learner's own samples; 0: off."""
-    sample_multiplier: int = setting(1, ge=1)
+    sample_multiplier: int = setting(1, ge=1, le=64)
     """Samples per prompt = rollout.group_size * this (GSPO x2 uses 2)."""
     minibatch_order: str = setting("prompt_groups", choices=MINIBATCH_ORDERS)
     """The update layout (docs/ALGORITHMS.md, "Update layout"). ``prompt_groups``: mini-batches of
@@ -386,17 +395,17 @@ class RolloutConfig(Settings):
     """Rollout engine, a name of the engine table (``hacrl.rollout.table``): ``hf`` (transformers
     generate in the stage's process) or ``vllm`` (vLLM in its own environment and process, ``make
     setup-vllm``; options under ``engines``)."""
-    group_size: int = setting(8, ge=2, why="group-relative advantages need at least 2 samples per prompt")
+    group_size: int = setting(8, ge=2, le=4096, why="group-relative advantages need at least 2 samples per prompt")
     """G: samples per prompt per agent."""
-    prompts_per_iteration: int = setting(512, ge=1)
+    prompts_per_iteration: int = setting(512, ge=1, le=10**7)
     """The same prompts for every agent, chosen from the seed and the iteration."""
-    temperature: float = setting(1.0, gt=0)
+    temperature: float = setting(1.0, gt=0, le=100.0)
     """Sampling temperature; the recorded log-probs are at this temperature, as the trainer's."""
     top_p: float = setting(1.0, gt=0, le=1)
     """Nucleus sampling (1: off; the recorded log-probs do not fold it in)."""
-    max_new_tokens: int = setting(20, ge=1)
+    max_new_tokens: int = setting(20, ge=1, le=1 << 20)
     """Response budget per sample (a response cut here is ``finish_reason: length``)."""
-    batch_size: int = setting(512, ge=1)
+    batch_size: int = setting(512, ge=1, le=10**7)
     """Sequences per generate call (an engine that schedules its own batches, vLLM, ignores it)."""
 
 
@@ -409,18 +418,18 @@ class TrainerConfig(Settings):
     AdamW; ``torch``: the same optimizer without DeepSpeed."""
     zero_stage: int = setting(0, choices=(0, 1, 2, 3))
     """DeepSpeed ZeRO stage (0-2 at world size > 1: the export needs whole weights on every rank)."""
-    lr: float = setting(5e-4, gt=0)
+    lr: float = setting(5e-4, gt=0, le=1.0)
     """The RL learning rate (AdamW)."""
-    lr_warmup_updates: int = setting(10, ge=0)
+    lr_warmup_updates: int = setting(10, ge=0, le=10**8)
     """Linear ramp of the RL learning rate over the first updates (fresh optimizers collapse)."""
-    mini_batch_prompts: int = setting(128, ge=1)
+    mini_batch_prompts: int = setting(128, ge=1, le=10**7)
     """Whole prompt groups per optimizer update (512 prompts / 128: 4 updates of 1,024 samples per
     iteration in the embedded experiment)."""
-    epochs: int = setting(1, ge=1)
+    epochs: int = setting(1, ge=1, le=1000)
     """Passes over a learner's input per iteration."""
-    grad_clip: float = setting(1.0, gt=0)
+    grad_clip: float = setting(1.0, gt=0, le=1e6)
     """Clip of the gradient norm per optimizer update."""
-    weight_decay: float = setting(0.0, ge=0)
+    weight_decay: float = setting(0.0, ge=0, le=10.0)
     """AdamW's decoupled weight decay."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     """Adam's (beta1, beta2): two numbers in [0, 1)."""
@@ -442,7 +451,7 @@ class TrainerConfig(Settings):
     initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL
     term (``algorithm.kl_coef`` 0); it costs one forward of the initial model per mini-batch.
     Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender."""
-    micro_batch_tokens: int = setting(0, ge=0)
+    micro_batch_tokens: int = setting(0, ge=0, le=10**9)
     """What one forward (with its backward) holds, in padded tokens (rows x the longest row's prompt +
     response); 0: no limit. A mini-batch (one optimizer update: what the algorithm and the update
     layout define) is cut into micro-batches within this budget, rows of similar length together
@@ -450,9 +459,9 @@ class TrainerConfig(Settings):
     with every loss normalised over the whole mini-batch (docs/SCALING.md, "Memory"). The same
     budget bounds the no-grad passes (pi_old, the reference model). A row longer than the budget
     is a micro-batch of its own (said once); nothing is truncated."""
-    micro_batch_samples: int = setting(0, ge=0)
+    micro_batch_samples: int = setting(0, ge=0, le=10**8)
     """At most this many rows per micro-batch as well (0: no limit)."""
-    logprob_chunk: int = setting(1024, ge=1)
+    logprob_chunk: int = setting(1024, ge=1, le=1 << 20)
     """Positions whose vocabulary-wide softmax is computed at once when scoring tokens: no
     full-vocabulary log-prob tensor is kept, only a chunk's (about chunk x vocabulary x 4 bytes)."""
     gradient_checkpointing: bool = False
@@ -460,7 +469,7 @@ class TrainerConfig(Settings):
     (transformers' ``activation_checkpointing_enable``, non-reentrant): the training forward's
     activation memory drops from every layer's to one layer's plus the layer inputs, for about a
     third more compute. The no-grad passes never keep activations anyway."""
-    world_size: int = setting(1, ge=1)
+    world_size: int = setting(1, ge=1, le=4096)
     """Processes per learner update (DeepSpeed data parallelism, gloo on the CPU, NCCL on GPUs):
     each rank takes whole prompt groups of every mini-batch and the gradients are averaged, so
     the update equals the single-process one up to float rounding (docs/SCALING.md). ZeRO 0-2."""
@@ -480,9 +489,9 @@ class TrainerConfig(Settings):
 class RewardConfig(Settings):
     """How verify-rewards checks answers (math-verify in killable worker processes)."""
 
-    timeout_s: float = setting(5.0, gt=0)
+    timeout_s: float = setting(5.0, gt=0, le=3600.0)
     """Per-answer limit; a hung check is killed, its record gets verdict ``timeout``."""
-    workers: int = setting(2, ge=1)
+    workers: int = setting(2, ge=1, le=64, why="each worker is a process (about 22 MB measured), and more of them than cores buy no speed")
     """Verifier processes."""
     fast_path: bool = True
     """Settle a canonical integer gold against a response that is exactly ``\\boxed{N}`` by
@@ -494,9 +503,9 @@ class RewardConfig(Settings):
 class EvalConfig(Settings):
     """Greedy pass@1 on the held-out split after every iteration (and of the warm-up)."""
 
-    batch_size: int = setting(600, ge=1)
+    batch_size: int = setting(600, ge=1, le=10**7)
     """Sequences per generate call."""
-    max_new_tokens: int = setting(20, ge=1)
+    max_new_tokens: int = setting(20, ge=1, le=1 << 20)
     """Response budget of a held-out answer."""
     split: str = setting("heldout", choices=("heldout", "dev"))
     """What is evaluated: the ``heldout`` split, or ``dev`` (carved from train): tuning runs
@@ -513,15 +522,15 @@ class EnginesConfig(Settings):
     vllm_python: str = ".venv-vllm/bin/python"
     """The vLLM environment's interpreter (relative to the project root), built by ``make setup-vllm``;
     Python 3.11 or later (the worker starts with ``-P``)."""
-    vllm_threads: int = setting(0, ge=0)
+    vllm_threads: int = setting(0, ge=0, le=4096)
     """CPU threads of a vLLM worker on a CPU host (0: ``experiment.threads``)."""
-    vllm_kv_cache_gib: int = setting(1, ge=1)
+    vllm_kv_cache_gib: int = setting(1, ge=1, le=1 << 20)
     """KV cache of a vLLM worker on a CPU host (``VLLM_CPU_KVCACHE_SPACE``)."""
-    vllm_max_model_len: int = setting(0, ge=0)
+    vllm_max_model_len: int = setting(0, ge=0, le=1 << 24)
     """Prompt + response tokens per sequence (0: the model's ``max_position_embeddings``, at most 4096)."""
     vllm_gpu_memory_utilization: float = setting(0.85, gt=0, le=1)
     """Fraction of a GPU's memory vLLM may take (GPU hosts only)."""
-    vllm_timeout_s: float = setting(900.0, gt=0)
+    vllm_timeout_s: float = setting(900.0, gt=0, le=86400.0)
     """A vLLM worker that does not answer a request (start-up included) in this time is stopped."""
     host: bool = True
     """Stages run by ``dvc repro``, Prefect or ``hacrl stage`` get their engine processes (vLLM
@@ -531,7 +540,7 @@ class EnginesConfig(Settings):
     its engines in its own process.)"""
     host_idle_s: float = setting(900.0, gt=0, le=86400)
     """The engine host stops an engine no stage used for this long, and exits once it serves none."""
-    logprob_check_samples: int = setting(0, ge=0)
+    logprob_check_samples: int = setting(0, ge=0, le=10**7)
     """Sequences per agent and iteration on which generate-rollouts compares the engine's sampled
     log-probs with the trainer's forward on the same tokens (logged as ``logprob_gap_mean`` /
     ``logprob_gap_max``); 0: no check at rollout time. Off by default: update-policies measures
@@ -544,11 +553,11 @@ class EnginesConfig(Settings):
 class OrchestrationConfig(Settings):
     """How ``prefect deployment run hacrl/iterate`` drives the DVC stages (no effect on results)."""
 
-    retries: int = setting(1, ge=0)
+    retries: int = setting(1, ge=0, le=100)
     """Retries of a failed stage task (transient failures; config and data errors never retry)."""
-    retry_delay_s: float = setting(5.0, ge=0)
+    retry_delay_s: float = setting(5.0, ge=0, le=86400.0)
     """Seconds between a failed stage task and its retry."""
-    lock_timeout_s: float = setting(600.0, ge=0)
+    lock_timeout_s: float = setting(600.0, ge=0, le=7 * 86400.0)
     """How long a second iterate run waits for the workspace lock before failing (0: fail at once)."""
     gpu_routing: str = setting("auto", choices=("auto", "pool", "local"))
     """``auto``: run update-policies on ``gpu_pool`` when a worker is online there, else in the
@@ -588,7 +597,7 @@ class DeviceConfig(Settings):
     """``cpu`` (the host), ``cpu:N`` (an equal share of the host's ``experiment.threads`` cores,
     so that jobs on different shares run at once) or ``cuda:N`` (given to the job's processes as
     ``CUDA_VISIBLE_DEVICES``)."""
-    memory_gib: float = setting(0.0, ge=0)
+    memory_gib: float = setting(0.0, ge=0, le=1 << 20)
     """Memory a job may use there; 0: not declared (not checked, e.g. the CPU host)."""
 
 
@@ -596,12 +605,12 @@ class DeviceConfig(Settings):
 class StageResources(Settings):
     """What one agent's job of one stage needs."""
 
-    devices: int = setting(1, ge=0)
+    devices: int = setting(1, ge=0, le=1 << 16)
     """Devices the job spans: vLLM's tensor-parallel size for a rollout, DeepSpeed's world size
     for an update."""
-    memory_gib: float = setting(0.0, ge=0)
+    memory_gib: float = setting(0.0, ge=0, le=1 << 20)
     """Memory per device; 0: not checked."""
-    max_batch_tokens: int = setting(0, ge=0)
+    max_batch_tokens: int = setting(0, ge=0, le=1 << 32)
     """Token budget per forward batch given to the engine (0: the engine's default)."""
     pin: list[str] | None = None
     """Explicit device ids (else the planner chooses); ``devices`` then counts them."""
@@ -627,7 +636,7 @@ class ResourcesConfig(Settings):
 
     devices: list[DeviceConfig] = field(default_factory=lambda: [DeviceConfig()])
     """E.g. on a GPU host: ``[{id: "cuda:0", memory_gib: 80}, ...]``; memory 0: not declared."""
-    engines_alive: int = setting(0, ge=0)
+    engines_alive: int = setting(0, ge=0, le=1 << 16)
     """Rollout engines alive at once (0: as many as the devices allow)."""
     engine_release: str = setting("sleep", choices=("sleep", "stop"))
     """What an engine does when an update needs its devices: ``sleep`` (vLLM sleep mode: weights

@@ -24,11 +24,24 @@ from hacrl.task import data as task_data
 from hacrl.task import rewards
 
 
+PRESETS = Path(__file__).resolve().parents[3] / "conf" / "algorithm"
+"""The algorithm presets (``conf/algorithm/NAME.yaml``) a label may name."""
+
+MAX_SAMPLES_PER_ITERATION = 10**7
+"""One iteration's rollout table (every agent's samples, their token ids and log-probs) is held in
+memory by the stages that read it: beyond this many samples it is a typo, not an experiment."""
+
+
 def validate(cfg: Config) -> Config:
     """Check what a stage relies on across settings and modules; raise ConfigError naming the
     first bad key. The algorithm's ``advantage`` and ``loss`` sections become their options
     dataclasses. Returns ``cfg``."""
     _algorithm(cfg)
+    _label(cfg)
+    n = cfg.rollout.prompts_per_iteration * cfg.samples_per_prompt * max(1, len(cfg.agents))
+    check(n <= MAX_SAMPLES_PER_ITERATION, "rollout.prompts_per_iteration", cfg.rollout.prompts_per_iteration,
+          f"{cfg.rollout.prompts_per_iteration} prompts x {cfg.samples_per_prompt} samples x {len(cfg.agents)} agents "
+          f"= {n:,} samples per iteration, held in memory: at most {MAX_SAMPLES_PER_ITERATION:,}")
     check(cfg.rollout.engine in ENGINES, "rollout.engine", cfg.rollout.engine,
           f"known engines: {', '.join(ENGINES)}")
     resources.check(cfg.resources, [ag.name for ag in cfg.agents])  # a demand no device meets fails here
@@ -44,8 +57,48 @@ def validate(cfg: Config) -> Config:
             p = getattr(d, k)
             check(p is not None, f"data.{k}", p, f"required with data.source=files (data.{k}=/path/to/file.jsonl)")
             check(Path(p).exists(), f"data.{k}", p, "file does not exist")
+            _task_path_kind(Path(p), d.format, f"data.{k}")
     _agents(cfg)
     return cfg
+
+
+SAVED_DATASET = ("state.json", "dataset_dict.json", "dataset_info.json")
+"""What ``datasets.save_to_disk`` writes into its directory (one of them at least)."""
+
+
+def _task_path_kind(p: Path, fmt: str, key: str) -> None:
+    """A saved dataset is a directory; every other format is one file."""
+    if p.is_dir():
+        check(fmt in ("auto", "hf_disk"), key, str(p), f"a directory, not a {fmt} file")
+        check(any((p / f).exists() for f in SAVED_DATASET), key, str(p),
+              "a directory that datasets.save_to_disk did not write (no state.json): give a task file, or the "
+              "saved dataset's directory with data=hf_disk")
+    else:
+        check(fmt != "hf_disk", key, str(p), "a file: data=hf_disk reads a datasets.save_to_disk directory")
+
+
+def _label(cfg: Config) -> None:
+    """A label that names a preset (``algorithm.name=gspo``) must run that preset's algorithm: its
+    estimator, loss, subscription and sample multiplier; a variant carries its own label."""
+    a = cfg.algorithm
+    f = PRESETS / f"{a.name}.yaml"
+    if not f.is_file():
+        return
+    from hacrl.config.build import read_yaml
+
+    preset = read_yaml(f) or {}
+    runs = {"advantage": a.advantage.name, "loss": a.loss.name, "sample_multiplier": a.sample_multiplier,
+            "subscription": [(x.record_type, x.producers, x.content) for x in a.subscription]}
+    wants = {"advantage": (preset.get("advantage") or {}).get("name", "grpo"),
+             "loss": (preset.get("loss") or {}).get("name", "grpo"),
+             "sample_multiplier": preset.get("sample_multiplier", 1),
+             "subscription": [(x.get("record_type", "trajectory"), x.get("producers", "self"), x.get("content", "response"))
+                              for x in preset.get("subscription") or []] or runs["subscription"]}
+    differ = [k for k in runs if runs[k] != wants[k]]
+    check(not differ, "algorithm.name", a.name,
+          f"the {a.name} preset runs {', '.join(f'{k} {wants[k]}' for k in differ)}, this config "
+          f"{', '.join(f'{k} {runs[k]}' for k in differ)}: select the preset (algorithm={a.name}) or give the "
+          f"variant its own label")
 
 
 def _algorithm(cfg: Config) -> None:

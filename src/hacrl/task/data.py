@@ -143,6 +143,19 @@ def load_problems(path: str | Path, on_bad_row: str = "error", fmt: str = "auto"
     return out, skipped
 
 
+def problem_key(text: str) -> str:
+    """A problem's text with case and runs of whitespace ignored: what makes two rows one problem."""
+    return " ".join(text.lower().split())
+
+
+def heldout_overlap(heldout: list[Problem], seen: list[Problem]) -> list[int]:
+    """Indices of the held-out problems whose text (:func:`problem_key`) is also in ``seen``
+    (train and dev). Ids are not compared: per-split files (verl's ``extra_info.index``) number
+    their rows from 0 each, so equal ids across files are normal."""
+    keys = {problem_key(p["problem"]) for p in seen}
+    return [i for i, p in enumerate(heldout) if problem_key(p["problem"]) in keys]
+
+
 def write_jsonl(path: str | Path, problems: list[Problem]) -> None:
     from hacrl.storage import atomic_write_text
 

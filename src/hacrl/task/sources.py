@@ -188,18 +188,25 @@ def gsm8k_answer(text: str) -> str | None:
     return ans or None
 
 
+_TRAILING_PUNCT = re.compile(r"[\s.,;:]+$")
+"""Sentence punctuation after an answer (``5.``, ``5,``): math-verify reads ``5.`` as no number
+equal to 5, so every response would be scored wrong. ``!`` (a factorial) is kept."""
+
+
 def extract_answer(value: object, answer_format: str) -> str | None:
-    """The gold answer inside an answer field; None when the format finds none."""
+    """The gold answer inside an answer field, without trailing sentence punctuation; None when
+    the format finds none."""
     text = str(value).strip()
     if answer_format == "raw":
-        return text or None
-    if answer_format == "boxed":
+        got = text
+    elif answer_format == "boxed":
         got = last_boxed(text)
     elif answer_format == "gsm8k":
         got = gsm8k_answer(text)
     else:
         raise ValueError(f"unknown answer format {answer_format!r}")
-    return got.strip() if got is not None and got.strip() else None
+    got = _TRAILING_PUNCT.sub("", got) if got is not None else None
+    return got or None
 
 
 def to_problem(rec: object, fields: FieldsConfig, answer_format: str, default_id: str) -> dict | str:

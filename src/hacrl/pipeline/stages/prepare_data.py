@@ -6,6 +6,7 @@ import logging
 import random
 
 from hacrl.config.schema import Config
+from hacrl.errors import DataError
 from hacrl.pipeline.common import layout
 from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.storage import atomic_path, write_json
@@ -37,11 +38,26 @@ def prepare_data(cfg: Config) -> StageResult:
         n_dev = min(d.dev_size, len(train) // 5)
         splits = {"train": train[n_dev:], "dev": train[:n_dev], "heldout": held}
         skipped = {"train": s1, "heldout": s2}
+    # held-out accuracy on training problems would look like generalisation: refused, or dropped
+    # and counted (the procedural splits are disjoint by construction; checked all the same)
+    leaked = task_data.heldout_overlap(splits["heldout"], splits["train"] + splits["dev"])
+    if leaked and d.heldout_overlap == "error":
+        first = splits["heldout"][leaked[0]]
+        raise DataError(f"{d.heldout_path or 'held-out set'}: {len(leaked)} of {len(splits['heldout'])} held-out "
+                        f"problems are also training or dev problems (first: id {first['id']!r}, "
+                        f"{first['problem'][:80]!r}); use disjoint files, or data.heldout_overlap=drop to remove them")
+    if leaked:
+        gone = set(leaked)
+        splits["heldout"] = [p for i, p in enumerate(splits["heldout"]) if i not in gone]
+        log.warning("held-out: dropped %d problems also in train/dev (data.heldout_overlap=drop)", len(leaked))
+        if not splits["heldout"]:
+            raise DataError(f"{d.heldout_path}: every held-out problem is also a training problem")
     out = layout(cfg).tasks
     with atomic_path(out, is_dir=True) as tmp:
         for name, probs in splits.items():
             task_data.write_jsonl(tmp / f"{name}.jsonl", probs)
         manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,
+                    **({"heldout_overlap_dropped": len(leaked)} if leaked else {}),
                     "levels": {k: sorted({p["level"] for p in v}) for k, v in splits.items()}}
         write_json(tmp / "manifest.json", manifest)
     log.info("task data: %s", manifest["sizes"])
