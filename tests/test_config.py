@@ -348,3 +348,20 @@ def test_a_task_path_of_the_wrong_kind_is_one_line(tmp_path):
         with pytest.raises(ConfigError) as e:
             params.compose(["data=files", f"data.train_path={train}", f"data.heldout_path={f}", f"data.format={fmt}"])
         assert str(e.value).startswith(f"data.train_path: invalid value '{train}' ({why}"), str(e.value)
+
+
+def test_unclear_config_failures_say_what_to_do(tmp_path):
+    """An empty params.yaml, a runs_dir dvc.yaml cannot follow, an unquoted non-ASCII value: each
+    one line that says what is wrong and what to do."""
+    (tmp_path / "params.yaml").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match=r"params\.yaml: empty \(run `hacrl config`"):
+        params.load(tmp_path / "params.yaml")
+    with pytest.raises(ConfigError, match=r"^data\.fields\.problem=énoncé: Hydra cannot read this override unquoted"):
+        params.compose(["data.fields.problem=énoncé"])
+    assert params.compose(["data.fields.problem='énoncé'"])["data"]["fields"]["problem"] == "énoncé"
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    env = {**os.environ, "HACRL_STAGE_SERVER": "0"}
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "config", "experiment.runs_dir=elsewhere", "--out",
+                        str(tmp_path / "params.yaml")], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and "experiment.runs_dir: invalid value 'elsewhere' (dvc.yaml reads and writes runs/" in p.stderr
+    assert (tmp_path / "params.yaml").read_text() == "# nothing\n"  # nothing written

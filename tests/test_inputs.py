@@ -66,6 +66,17 @@ def test_a_damaged_checkpoint_is_named_before_the_stage_reads_it(tmp_path):
         verify(ws, "generate-rollouts@it2")
 
 
+def test_a_broken_dvc_lock_is_one_line_naming_it(tmp_path):
+    ws = _workspace(tmp_path)
+    text = (ws / "dvc.lock").read_text()
+    (ws / "dvc.lock").write_text(text.replace("stages:", "stages: [", 1))
+    with pytest.raises(DamagedInput, match=r"^dvc\.lock:\d+: not valid YAML \(.*\); `git checkout dvc.lock` restores"):
+        verify(ws, "generate-rollouts@it2")
+    (ws / "dvc.lock").write_text("- a list\n")
+    with pytest.raises(DamagedInput, match=r"^dvc\.lock: not a mapping \(a list\)$"):
+        verify(ws, "generate-rollouts@it2")
+
+
 def test_a_missing_input_says_which_stage_writes_it(tmp_path):
     ws = _workspace(tmp_path)
     with pytest.raises(DamagedInput) as e:

@@ -42,6 +42,14 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     data = compose(args.overrides)
     out = Path(args.out)
+    if (out.resolve().parent / "dvc.yaml").exists():  # the pipeline's own params: dvc.yaml's paths are fixed
+        from hacrl.errors import ConfigError
+
+        for key, fixed in (("runs_dir", "runs"), ("reports_dir", "reports")):
+            if data["experiment"][key] != fixed:
+                raise ConfigError(f"experiment.{key}: invalid value {data['experiment'][key]!r} (dvc.yaml reads and "
+                                  f"writes {fixed}/: a pipeline's params.yaml keeps it; another directory is for "
+                                  f"in-process runs, `hacrl run --params FILE` or `hacrl compare`)")
     kept = keep_extension(data, args.overrides, out)
     if kept:
         print(f"hacrl: kept experiment.iterations={kept} from {out} (the experiment was extended; "

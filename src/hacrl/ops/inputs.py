@@ -29,9 +29,21 @@ class DamagedInput(DataError):
 
 
 def _load(path: Path) -> dict:
+    """A YAML file of the pipeline (dvc.yaml, dvc.lock, params.yaml); a broken one is one line
+    naming the file and the line, not a parser traceback."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with open(path) as f:
-        return yaml.load(f, Loader=loader) or {}  # noqa: S506 - a safe loader
+    try:
+        with open(path) as f:
+            doc = yaml.load(f, Loader=loader) or {}  # noqa: S506 - a safe loader
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise DamagedInput(f"{path.name}{f':{mark.line + 1}' if mark is not None else ''}: not valid YAML "
+                           f"({getattr(e, 'problem', None) or e}); "
+                           + ("`git checkout dvc.lock` restores the committed one" if path.name == "dvc.lock"
+                              else "fix or regenerate it")) from None
+    if not isinstance(doc, dict):
+        raise DamagedInput(f"{path.name}: not a mapping (a {type(doc).__name__})")
+    return doc
 
 
 _VAR = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")

@@ -58,7 +58,9 @@ def load(path: str | os.PathLike | None = None) -> Config:
     data = read_yaml(p)
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of settings, got {type(data).__name__}")
-    return from_dict(data or {})
+    if not data:
+        raise ConfigError(f"{p}: empty (run `hacrl config` to compose it from conf/)")
+    return from_dict(data)
 
 
 def read_params(project: Path) -> dict:
@@ -152,7 +154,14 @@ def compose(overrides: list[str] | None = None, conf_dir: Path = CONF_DIR) -> di
         with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
             composed = hydra_compose(config_name="config", overrides=overrides)
     except HydraException as e:
-        raise ConfigError(f"hydra: {str(e).splitlines()[0]}") from None
+        first = str(e).splitlines()[0]
+        if "LexerNoViableAltException" in first or "mismatched input" in first:
+            # Hydra's grammar reads an unquoted value as ASCII words, numbers and a few symbols
+            bad = first.split(":", 1)[-1].strip()
+            raise ConfigError(f"{bad}: Hydra cannot read this override unquoted (a value with spaces, non-ASCII "
+                              f"letters or symbols): quote the value, e.g. key='value' inside the shell's "
+                              f"quotes: \"key='value'\"") from None
+        raise ConfigError(f"hydra: {first}") from None
     data = OmegaConf.to_container(composed, resolve=True)
     agents = data.get("agents")
     if isinstance(agents, dict):  # the group holds {pool: [...]} so that it can be swapped whole

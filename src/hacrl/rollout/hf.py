@@ -12,6 +12,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
+from hacrl.errors import DataError
 from hacrl.rollout.engine import Completion, EngineRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def _check_positions(config, longest_prompt: int, max_new_tokens: int, desc: str
     refuses a prompt + max_tokens over its max_model_len. Rotary models extrapolate and are let be."""
     limit = getattr(config, "n_positions", None)
     if limit and longest_prompt + max_new_tokens > limit:
-        raise ValueError(f"{desc}: a prompt of {longest_prompt} tokens + max_new_tokens {max_new_tokens} = "
+        raise DataError(f"{desc}: a prompt of {longest_prompt} tokens + max_new_tokens {max_new_tokens} = "
                          f"{longest_prompt + max_new_tokens} positions, over the model's {limit} (n_positions, "
                          "learned positions); lower rollout.max_new_tokens / eval.max_new_tokens or use a model "
                          "with a longer context")
