@@ -75,3 +75,29 @@ def test_a_refused_record_is_set_aside_and_the_rest_are_logged(tmp_path):
     assert run.info.status == "FAILED" and run.data.tags["hacrl.error"] == "RuntimeError: boom"
     assert run.data.tags["hacrl.failed_stage"] == "verify-rewards"
     assert run.info.end_time - run.info.start_time == 2000
+
+
+def test_a_corrupted_store_is_said_with_its_reason_and_retry_logs_after_repair(tmp_path):
+    """A record MLflow refuses (here: mlflow.db is not a database) makes `hacrl track` fail with
+    the reason in the line; after the store is repaired, `hacrl track --retry` logs it."""
+    cfg = _cfg(tmp_path)
+    params.write_params(params.compose([*SMOKE, "tracking.enabled=true", f"tracking.uri={cfg.tracking.uri}"]),
+                        tmp_path / "params.yaml")
+    now = time.time()
+    track_queue.enqueue(cfg, tmp_path, "verify-rewards", 1, {"gpt2-a": {"reward_mean": 0.5}}, 2.0, None, now, now + 2)
+    (tmp_path / "mlflow.db").write_bytes(b"this is not an sqlite database" * 100)
+    env = {**os.environ, "HACRL_STAGE_SERVER": "0"}
+
+    def track(*extra):
+        return subprocess.run([sys.executable, "-m", "hacrl.cli", "track", *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    p = track()
+    assert p.returncode == 1 and "1 refused" in p.stdout, (p.stdout, p.stderr)
+    assert "MLflow refused 1 record(s): " in p.stderr and "not a database" in p.stderr, p.stderr
+    assert "hacrl track --retry" in p.stderr
+    (tmp_path / "mlflow.db").unlink()  # repaired: a fresh store
+    p = track("--retry")
+    assert p.returncode == 0 and "1 refused records queued again" in p.stdout and "1 stage records logged" in p.stdout, \
+        (p.stdout, p.stderr)
+    assert track_queue.refused(tmp_path, cfg.experiment.runs_dir) == []

@@ -145,12 +145,22 @@ def cmd_track(args: argparse.Namespace) -> int:
     if foreign:  # nothing is logged into another workspace's store; the queue stays
         print(f"hacrl: warning: {foreign}", file=sys.stderr)
         return 0
+    if args.retry:
+        back = track_queue.requeue(project, cfg.experiment.runs_dir)
+        if back:
+            print(f"MLflow: {back} refused records queued again")
     n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=args.timeout)
     left = track_queue.pending(project, cfg.experiment.runs_dir)
-    failed = sorted((project / cfg.experiment.runs_dir / ".tracking" / "queue" / "failed").glob("*.json"))
-    print(f"MLflow: {n} stage records logged now, {len(left)} still queued"
-          + (f", {len(failed)} refused (see {cfg.experiment.runs_dir}/.tracking/flush.log)" if failed else ""))
-    return 1 if left else 0
+    failed = track_queue.refused(project, cfg.experiment.runs_dir)
+    print(f"MLflow: {n} stage records logged now" + (f", {len(left)} still queued" if left else "")
+          + (f", {len(failed)} refused" if failed else ""))
+    if failed:  # the reason in the line, and the way back
+        reasons = dict.fromkeys(r for _, r in failed)
+        for r in list(reasons)[:3]:
+            print(f"hacrl: error: MLflow refused {sum(1 for _, x in failed if x == r)} record(s): {r}", file=sys.stderr)
+        print(f"hacrl: fix the store ({cfg.tracking.uri or 'mlflow.db'}), then `hacrl track --retry` logs them "
+              f"({cfg.experiment.runs_dir}/.tracking/queue/failed/)", file=sys.stderr)
+    return 1 if left or failed else 0
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -378,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(stages queue their records; a background process logs them)")
     tr.add_argument("--params", default=None, help=PARAMS_HELP)
     tr.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running flusher")
+    tr.add_argument("--retry", action="store_true",
+                    help="queue the records MLflow refused again (after the store was repaired), then log them")
     tr.set_defaults(fn=cmd_track)
     al = sub.add_parser("algorithms", help="list the algorithm presets, estimators and losses with their options")
     al.set_defaults(fn=cmd_algorithms)

@@ -127,6 +127,30 @@ def pending(project_dir: Path, runs_dir: str) -> list[Path]:
     return sorted(q.glob("*.json")) if q.is_dir() else []
 
 
+REASON = ".reason"
+"""Beside a refused record in ``queue/failed/``: why MLflow refused it (one line)."""
+
+
+def refused(project_dir: Path, runs_dir: str) -> list[tuple[Path, str]]:
+    """Records MLflow refused, oldest first, each with the reason it gave."""
+    f = Path(project_dir) / runs_dir / ".tracking" / "queue" / "failed"
+    out = []
+    for p in sorted(f.glob("*.json")) if f.is_dir() else []:
+        r = p.with_name(p.name + REASON)
+        out.append((p, r.read_text().strip() if r.exists() else "reason not recorded (see flush.log)"))
+    return out
+
+
+def requeue(project_dir: Path, runs_dir: str) -> int:
+    """Put every refused record back in the queue (after the store was repaired); how many."""
+    n = 0
+    for p, _ in refused(project_dir, runs_dir):
+        os.replace(p, p.parent.parent / p.name)
+        p.with_name(p.name + REASON).unlink(missing_ok=True)
+        n += 1
+    return n
+
+
 def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> int:
     """Log every queued record (waiting for a running flusher first); return how many were logged.
 
@@ -166,8 +190,10 @@ def flush(project_dir: Path, runs_dir: str, timeout_s: float | None = None) -> i
             except Exception as e:  # noqa: BLE001 - one bad record must not block the others
                 failed = path.parent / "failed"
                 failed.mkdir(exist_ok=True)
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+                (failed / (path.name + REASON)).write_text(reason + "\n")
                 os.replace(path, failed / path.name)
-                log.warning("MLflow refused %s (%s: %s); moved to %s", path.name, type(e).__name__, e, failed)
+                log.warning("MLflow refused %s (%s); moved to %s", path.name, reason, failed)
                 continue
             path.unlink()
             logged += 1
