@@ -179,3 +179,44 @@ def test_outputs_dvc_hashed_are_not_read_again_but_an_edit_is(tmp_path, monkeypa
         f.write(b"x")
     assert hashes.cached_dvc_hash(tmp_path, d) != expected
     assert read == ["weights.bin"]
+
+
+@pytest.mark.slow
+def test_a_stage_run_by_hand_refuses_to_write_under_a_running_dvc_repro_and_dvc_under_it(tmp_path):
+    """A `hacrl stage` typed during `dvc repro` of the same workspace would rewrite what DVC records
+    (and remove the running stage's temporary files): refused, nothing touched. The reverse: a
+    `dvc repro` started while a stage runs by hand cannot take DVC's lock."""
+    import time
+
+    from hacrl.ops.dvc_busy import hold_dvc_lock
+    from hacrl.pipeline import params
+
+    from conftest import SMOKE, dvc_workspace
+
+    ws = dvc_workspace(tmp_path / "ws", ())
+    params.write_params(params.compose([*SMOKE, "tracking.enabled=false"]), ws / "params.yaml")
+    (ws / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"slow": {
+        "cmd": f"{sys.executable} -c \"import time, pathlib; time.sleep(20); pathlib.Path('out.txt').write_text('x')\"",
+        "outs": ["out.txt"]}}}))
+    env = {**os.environ, "HACRL_STAGE_SERVER": "0"}
+    repro = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=ws, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and "out.txt" not in ((ws / ".dvc" / "tmp" / "rwlock").read_text()
+                                                       if (ws / ".dvc" / "tmp" / "rwlock").exists() else ""):
+            time.sleep(0.2)
+        (ws / "runs" / ".tmp-planted").mkdir(parents=True)  # what clean_tmp would have removed
+        p = subprocess.run([sys.executable, "-m", "hacrl.cli", "stage", "prepare-data"], cwd=ws, env=env,
+                           capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        assert "stage run by hand while DVC is at work in this workspace" in p.stderr.strip().splitlines()[-1]
+        assert not (ws / "data" / "tasks").exists() and (ws / "runs" / ".tmp-planted").exists()
+    finally:
+        repro.wait(timeout=120)
+    assert repro.returncode == 0 and (ws / "out.txt").exists()
+    (ws / "out.txt").unlink()
+    with hold_dvc_lock(ws):  # a stage by hand holds the workspace: dvc repro cannot start under it
+        p = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=ws, env=env, capture_output=True, text=True)
+        assert p.returncode != 0 and "lock" in (p.stdout + p.stderr).lower()
+    assert not (ws / "out.txt").exists()

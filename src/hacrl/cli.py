@@ -76,10 +76,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from hacrl.errors import ConfigError
-    from hacrl.ops import track_queue
-    from hacrl.ops.inputs import verify
     from hacrl.pipeline import params, table
-    from hacrl.storage import clean_tmp
 
     cfg = params.load(args.params)
     table.stage(args.name)  # an unknown name: one line listing the stages
@@ -87,6 +84,20 @@ def cmd_stage(args: argparse.Namespace) -> int:
     problem = table.iteration_problem(args.name, t, cfg.experiment.iterations)
     if problem:
         raise ConfigError(problem)
+    if "DVC_STAGE" in os.environ:  # DVC runs it: DVC holds the workspace
+        return _stage(args, cfg, t)
+    from hacrl.ops.dvc_busy import hold_dvc_lock
+
+    with hold_dvc_lock("."):  # by hand: not under a running dvc repro, nor it under this
+        return _stage(args, cfg, t)
+
+
+def _stage(args: argparse.Namespace, cfg, t: int) -> int:
+    from hacrl.ops import track_queue
+    from hacrl.ops.inputs import verify
+    from hacrl.pipeline import table
+    from hacrl.storage import clean_tmp
+
     removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
     if removed:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
@@ -192,7 +203,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hacrl.pipeline.in_process import run_in_process
 
     cfg = params.load(args.params)
-    timings = run_in_process(cfg)
+    from hacrl.ops.dvc_busy import hold_dvc_lock
+
+    with hold_dvc_lock("."):  # it writes what dvc repro tracks: never under a running one
+        timings = run_in_process(cfg)
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}, indent=2))
     print(f"wrote {cfg.experiment.runs_dir}/ and {cfg.experiment.reports_dir}/ (the outputs `dvc repro` tracks; "
           f"dvc.lock does not record this run: `dvc commit` adopts it)", file=sys.stderr)
