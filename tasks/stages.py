@@ -2,7 +2,7 @@
 
 Each task runs ``dvc repro --single-item STAGE`` (see ``hacrl.ops.orchestration``), so DVC records
 what Prefect ran and skips what is already up to date; the stage's output streams to the task's
-log. Config and data errors (exit 2) and non-finite losses (exit 3) are not retried.
+log. Config and data errors (exit 2), non-finite losses (exit 3) and a full disk (exit 4) are not retried.
 
 The tasks carry no tags of their own, only the device tags MWRA gives them (which carry a
 concurrency limit of one each): Prefect 3.9 asks for concurrency slots for every tag a task

@@ -115,3 +115,32 @@ def test_a_server_that_cannot_start_costs_the_stage_no_wait(tmp_path, env):
     assert r.returncode == 0, r.stderr
     assert time.time() - t0 < stage_server.START_WAIT_S / 2
     assert "broken on purpose" in _sock(env).with_suffix(".log").read_text()
+
+
+def test_a_full_disk_or_file_size_limit_is_one_line_exit_4_and_the_served_stage_obeys_the_callers_ulimit(tmp_path, env):
+    """Under the caller's `ulimit -f` (here 16 KB), a stage forked from a server started without it
+    still meets the limit: one line naming the file, exit 4 (not retried), nothing renamed into
+    place; cold and served alike."""
+    import resource
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=ws, env=env, check=True,
+                   capture_output=True)
+    assert _stage(ws, env, "prepare-data").returncode == 0  # the server runs, unlimited
+    _wait_ready(_sock(env))
+    import shutil
+
+    shutil.rmtree(ws / "data")
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+
+    for how in ({}, {"HACRL_STAGE_SERVER": "0"}):  # served, then cold
+        p = subprocess.run(["hacrl", "stage", "prepare-data"], cwd=ws, env={**env, **how}, capture_output=True,
+                           text=True, preexec_fn=limited)
+        assert p.returncode == 4, (how, p.stderr[-2000:])
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("hacrl: error: no space left writing ") and "data/tasks" in last, last
+        assert "ulimit -f" in last and "nothing was renamed into place" in last
+        assert not (ws / "data" / "tasks").exists() and not list(ws.rglob(".tmp-*"))

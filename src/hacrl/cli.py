@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.log_level.upper())
 
-    from hacrl.errors import ConfigError, DataError, NonFiniteLossError, UnsafeStateError
+    from hacrl.errors import ConfigError, DataError, NonFiniteLossError, StorageFull, UnsafeStateError
+    from hacrl.storage import out_of_space
 
     try:
         return args.fn(args)
@@ -343,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"hacrl: error: {e}; no checkpoint was written", file=sys.stderr)
         return 3
+    except (StorageFull, OSError, RuntimeError) as e:
+        if not (isinstance(e, StorageFull) or out_of_space(e)):
+            raise
+        # out of space: one line, and an exit code the orchestrator does not retry into the same disk
+        print(f"hacrl: error: {e.strerror if isinstance(e, StorageFull) else e}", file=sys.stderr)
+        return 4
 
 
 DESCRIPTION = """Post-train a pool of heterogeneous LLMs together with RL on verifiable rewards.

@@ -19,3 +19,8 @@ class NonFiniteLossError(RuntimeError):
 
 class UnsafeStateError(RuntimeError):
     """A recovery-state file holds more than tensors, numbers and arrays: it is not unpickled."""
+
+
+class StorageFull(OSError):
+    """The disk (or the file-size limit) ran out while an artifact was written; nothing was
+    renamed into place. Exit 4: retrying into the same full disk cannot help."""

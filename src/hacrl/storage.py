@@ -8,6 +8,7 @@ renamed. A killed stage therefore leaves only ``.tmp-*`` debris, which the next 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from hacrl.errors import StorageFull
 
 TMP_PREFIX = ".tmp-"
 FAULT_ENV = "HACRL_FAULT"
@@ -60,12 +63,51 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]
             os.chmod(tmp, 0o644)
         _fault_point(final)
         _replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+        if out_of_space(e) and not isinstance(e, StorageFull):
+            raise StorageFull(errno.ENOSPC, _full_message(final, written)) from e
         raise
+
+
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is a disk or file-size limit running out: an ``OSError`` ENOSPC / EFBIG / EDQUOT,
+    or torch's serializer saying so in its own words (``unexpected pos``: its writer stopped short)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("unexpected pos" in text or "No space left" in text
+                                            or "File too large" in text)
+
+
+def _size(p: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _artifact(path: Path) -> Path:
+    """The artifact a path is part of, as it will be named: ``data/.tmp-tasks-x1y2/train.jsonl``
+    -> ``data/tasks/train.jsonl`` (a file written inside a directory being written)."""
+    parts = [q[len(TMP_PREFIX):].rsplit("-", 1)[0] if q.startswith(TMP_PREFIX) else q for q in path.parts]
+    return Path(*parts) if parts else path
+
+
+def _full_message(final: Path, written: int) -> str:
+    where = next((q for q in [final, *final.parents] if q.exists()), Path("."))
+    final = _artifact(final)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = 0
+    return (f"no space left writing {final} (the device of {where} has {free / 2**20:,.0f} MB free; "
+            f"{written / 2**20:,.0f} MB were written before it ran out, or the file-size limit, ulimit -f, "
+            f"was reached): free space or raise the limit, then run the stage again; nothing was renamed into place")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -32,9 +32,9 @@ from hacrl.resources import plan_for
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".hacrl-iterate.lock"
-NO_RETRY_EXIT_CODES = (2, 3)
-"""``hacrl stage`` exit codes of a config/data error (2) and a non-finite loss (3): retrying
-would fail the same way."""
+NO_RETRY_EXIT_CODES = (2, 3, 4)
+"""``hacrl stage`` exit codes of a config/data error (2), a non-finite loss (3) and a full disk or
+file-size limit (4): retrying would fail the same way."""
 
 
 def stage_devices(cfg, stage: str, p=None) -> tuple[str, ...]:

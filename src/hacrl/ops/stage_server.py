@@ -30,6 +30,7 @@ and compare the artifacts byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -101,7 +102,7 @@ def run_remote(argv: list[str], entry: str) -> int | None:
             if s is None:
                 return None
         req = {"argv": argv, "entry": entry, "cwd": os.getcwd(), "env": dict(os.environ), "pid": os.getpid(),
-               "umask": _umask()}
+               "umask": _umask(), "limits": _limits()}
         try:
             socket.send_fds(s, [json.dumps(req).encode()], [0, 1, 2])
             reply = json.loads(s.recv(MAX_MSG) or b'{"refused": "closed"}')
@@ -265,6 +266,39 @@ def serve(path: Path, entry: str, idle_s: float = IDLE_S) -> None:
         srv.close()
 
 
+LIMITS = ("RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_CORE")
+"""The caller's resource limits a forked stage runs under, as a cold process would (``ulimit -f``:
+the file-size limit a user set to protect a disk)."""
+
+
+def _limits() -> dict[str, list[int]]:
+    import resource
+
+    return {n: list(resource.getrlimit(getattr(resource, n))) for n in LIMITS if hasattr(resource, n)}
+
+
+def _set_limits(limits: dict[str, list[int]]) -> None:
+    """Apply the caller's limits; a limit above what this server may grant is capped at its own
+    hard limit (a process can lower its limits, never raise its hard ones)."""
+    import resource
+
+    for name, (soft, hard) in limits.items():
+        if not hasattr(resource, name):
+            continue
+        which = getattr(resource, name)
+        _, own_hard = resource.getrlimit(which)
+
+        def cap(v: int) -> int:
+            if own_hard == resource.RLIM_INFINITY:
+                return v
+            return own_hard if v == resource.RLIM_INFINITY else min(v, own_hard)
+
+        hard_v = cap(hard)
+        soft_v = min(cap(soft), hard_v) if hard_v != resource.RLIM_INFINITY else cap(soft)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(which, (soft_v, hard_v))
+
+
 def _child(conn: socket.socket, req: dict, fds: list[int], main_fn) -> None:
     """Become the process of the request (``main_fn(argv)``); exit with its code."""
     rc = 1
@@ -276,6 +310,7 @@ def _child(conn: socket.socket, req: dict, fds: list[int], main_fn) -> None:
             os.close(fd)
         os.chdir(req["cwd"])
         os.umask(req["umask"])
+        _set_limits(req.get("limits") or {})
         os.environ.clear()
         os.environ.update(req["env"])
         root = logging.getLogger()
