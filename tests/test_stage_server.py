@@ -144,3 +144,30 @@ def test_a_full_disk_or_file_size_limit_is_one_line_exit_4_and_the_served_stage_
         assert last.startswith("hacrl: error: no space left writing ") and "data/tasks" in last, last
         assert "ulimit -f" in last and "nothing was renamed into place" in last
         assert not (ws / "data" / "tasks").exists() and not list(ws.rglob(".tmp-*"))
+
+
+def test_stop_stops_every_server_of_the_checkout_whatever_its_environment(tmp_path, env):
+    """Two servers of this interpreter started with different environment variables (so two
+    sockets): `hacrl stop` from a third environment stops both."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    subprocess.run([sys.executable, "-m", "hacrl.cli", "config", *SMOKE], cwd=ws, env=env, check=True,
+                   capture_output=True)
+    other = {**env, "HF_HACRL_TEST_KEY": uuid.uuid4().hex}
+    socks = []
+    for e in (env, other):
+        assert _stage(ws, e, "prepare-data").returncode == 0
+        socks.append(_sock(e))
+        _wait_ready(socks[-1])
+    assert socks[0] != socks[1]
+    checkout = Path(sys.prefix).resolve().parent  # the interpreter's venv lives in the checkout
+    third = {**env, "HF_HACRL_TEST_KEY": uuid.uuid4().hex}
+    p = subprocess.run([sys.executable, "-c", f"import hacrl.cli; from hacrl.ops import stage_server; "
+                                              f"print(stage_server.stop_checkout({str(checkout)!r}))"],
+                       env=third, capture_output=True, text=True, check=True)
+    assert int(p.stdout.strip()) >= 2
+    t0 = time.time()
+    while any(s.exists() for s in socks) and time.time() - t0 < 30:
+        time.sleep(0.2)
+    assert not any(s.exists() for s in socks)
+    assert not any(s.with_name(s.name + stage_server.ABOUT).exists() for s in socks)

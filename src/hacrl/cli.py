@@ -304,13 +304,17 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _servers(n: int) -> list[str]:
+    return [] if not n else ["stage server" if n == 1 else "stage servers"]
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from hacrl.ops import stage_server
     from hacrl.ops.services import stop
     from hacrl.rollout import engine_host
 
     stopped = (stop(args.project) + (["engine host"] if engine_host.stop(args.project) else [])
-               + (["stage server"] if stage_server.stop() else []))
+               + _servers(stage_server.stop_checkout(args.project)))
     print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
     return 0
 

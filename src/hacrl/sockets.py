@@ -36,10 +36,13 @@ def wait_gone(path: Path, wait_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def unlink_own(path: Path, srv: socket.socket) -> None:
-    """Remove ``path`` if it is still ``srv``'s socket (a newer server may have replaced it)."""
+def unlink_own(path: Path, bound_ino: int) -> None:
+    """Remove ``path`` if it is still the socket file this server bound (``bound_ino``: its inode,
+    taken when it was bound; a newer server may have replaced it). The socket's own descriptor
+    cannot tell: ``fstat`` of a socket gives the socket's inode, not the file's, so comparing with
+    it left every socket file behind."""
     try:
-        if os.stat(path).st_ino == os.fstat(srv.fileno()).st_ino:
+        if os.stat(path).st_ino == bound_ino:
             path.unlink()
     except OSError:
         pass

@@ -137,17 +137,40 @@ def run_remote(argv: list[str], entry: str) -> int | None:
         return int(json.loads(msg)["exit"])
 
 
-def stop() -> bool:
-    """Ask this environment's server to exit; whether one was running."""
+ABOUT = ".json"
+"""Beside a server's socket: its pid and interpreter (``sys.prefix``), so that ``hacrl stop`` finds
+every server of a checkout, whatever environment variables each was started with."""
+
+
+def stop(path: Path | None = None) -> bool:
+    """Ask this environment's server (or the one at ``path``) to exit; whether one was running."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        s.connect(str(socket_path()))
+        s.connect(str(path or socket_path()))
         s.send(json.dumps({"stop": True}).encode())
         return True
     except OSError:
         return False
     finally:
         s.close()
+
+
+def stop_checkout(project: str | os.PathLike) -> int:
+    """Stop this environment's server and every server of this user whose interpreter lives in
+    ``project`` (its virtual environments: ``.venv``, ``.venv-vllm``...), whatever environment
+    variables each was started with; how many were running."""
+    root = Path(project).resolve()
+    own = socket_path()
+    n = 0
+    for about in Path(tempfile.gettempdir()).glob(f"hacrl-{os.getuid()}-*.sock{ABOUT}"):
+        try:
+            info = json.loads(about.read_text())
+        except (OSError, ValueError):
+            continue
+        sock = about.with_name(about.name.removesuffix(ABOUT))
+        if sock != own and Path(info.get("prefix", "/")).resolve().is_relative_to(root):
+            n += stop(sock)
+    return n + stop(own)  # this environment's, wherever its interpreter lives
 
 
 def _connect(path: Path, wait_s: float = 0.0, server: subprocess.Popen | None = None) -> socket.socket | None:
@@ -221,6 +244,9 @@ def serve(path: Path, entry: str, idle_s: float = IDLE_S) -> None:
     srv.bind(str(tmp))
     srv.listen(16)
     os.replace(tmp, path)  # a client never connects to a half-set-up server
+    bound_ino = os.stat(path).st_ino
+    about = path.with_name(path.name + ABOUT)  # whose server this is, for `hacrl stop` of a checkout
+    about.write_text(json.dumps({"pid": os.getpid(), "prefix": sys.prefix, "executable": sys.executable}))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     log.info("stage server %d ready at %s", os.getpid(), path)
     try:
@@ -262,8 +288,11 @@ def serve(path: Path, entry: str, idle_s: float = IDLE_S) -> None:
                 os.close(fd)
             conn.close()
     finally:
-        sockets.unlink_own(path, srv)
+        sockets.unlink_own(path, bound_ino)
         srv.close()
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(about.read_text()).get("pid") == os.getpid():
+                about.unlink()
 
 
 LIMITS = ("RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_CORE")

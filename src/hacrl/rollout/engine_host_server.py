@@ -311,6 +311,7 @@ def serve(path: Path, project: Path, idle_s: float) -> None:
     os.chmod(tmp, 0o600)
     srv.listen(16)
     os.replace(tmp, path)  # a client never connects to a half-set-up host
+    bound_ino = os.stat(path).st_ino
     srv.settimeout(1.0)
     log.info("engine host %d ready at %s for %s", os.getpid(), path, project)
     try:
@@ -325,7 +326,7 @@ def serve(path: Path, project: Path, idle_s: float) -> None:
             sock.settimeout(None)
             threading.Thread(target=host.handle, args=(sock,), daemon=True).start()
     finally:
-        sockets.unlink_own(path, srv)
+        sockets.unlink_own(path, bound_ino)
         srv.close()
         host.shutdown()
         log.info("stopped")
