@@ -7,6 +7,7 @@ The stage results here are written by hand (the files they point at exist, with 
 content): what is tested is what tracking makes of any stage's result; the real stages'
 results reach MLflow in tests/test_e2e_dvc.py."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,12 @@ def test_iteration_runs_nest_in_the_experiment_run_with_stage_times_and_inputs(t
     # checkpoints in (iteration 1's) and out (iteration 2's) as logged models
     names = lambda ids: sorted(c.get_logged_model(i).name for i in ids)  # noqa: E731
     assert names([m.model_id for m in it2.outputs.model_outputs]) == ["gpt2-a-it2", "llama-b-it2"]
-    assert {"gpt2-a-it1", "gpt2-a-it2"} <= set(names([m.model_id for m in it2.inputs.model_inputs]))
+    # in: the checkpoints it started from, only (the ones it wrote and evaluated are outputs)
+    assert names([m.model_id for m in it2.inputs.model_inputs]) == ["gpt2-a-it1", "llama-b-it1"]
+    # its Parameters tab holds the config that ran; its datasets name project-relative paths
+    assert it2.data.params["trainer.lr"] == str(cfg.trainer.lr)
+    sources = [json.loads(d.dataset.source)["uri"] for d in it2.inputs.dataset_inputs]
+    assert sources and all(not u.startswith("/") and "://" not in u for u in sources), sources
 
 
 def test_every_checkpoint_is_a_logged_model_ranked_by_its_linked_heldout_accuracy(tracked):
@@ -210,3 +216,23 @@ def test_a_rerun_that_writes_the_identical_checkpoint_keeps_its_model(tracked):
     _iteration(tr, lay, 2, accs[2])  # the same files again (a forced rerun of a deterministic stage)
     assert {m.model_id for m in tr.client.search_logged_models([tr.experiment_id])} == before
     assert len(tr.client.search_model_versions(f"name = '{tr.model_name('gpt2-a')}'")) == versions
+
+
+def test_a_parquet_shard_input_carries_its_record_schema_and_profile(tmp_path):
+    """The dataset drawer of a rollout shard: the record schema and rows, not "No schema available"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hacrl.pipeline.result import Input
+
+    cfg = _cfg(tmp_path)
+    tr = Tracker(cfg, tmp_path)
+    d = tmp_path / "runs" / "it1" / "rollouts"
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({"record_id": ["a", "b"], "reward": [1.0, 0.0], "response_token_ids": [[1, 2], [3]]}),
+                   d / "gpt2-a.parquet")
+    ent = tr._dataset(Input("rollouts/it1", str(d), "training"))._to_mlflow_entity()
+    assert json.loads(ent.source)["uri"] == "runs/it1/rollouts"
+    cols = {c["name"]: c["type"] for c in json.loads(ent.schema)["mlflow_colspec"]}
+    assert cols["record_id"] == "string" and cols["reward"] == "double" and any("response_token_ids" in k for k in cols)
+    assert json.loads(ent.profile) == {"files": 1, "rows": 2, "bytes": (d / "gpt2-a.parquet").stat().st_size}

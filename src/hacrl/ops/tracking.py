@@ -119,6 +119,31 @@ def ui_link(ui: str, route: str = "") -> str:
     return f"{ui.rstrip('/')}/#{route}{'&' if '?' in route else '?'}{ML_VIEW}"
 
 
+def _parquet_schema_and_profile(path: Path):
+    """(MLflow schema, profile) of the Parquet files at ``path`` (a file or a directory of them),
+    from their footers alone; (None, None) for anything else."""
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path] if path.suffix == ".parquet" else []
+    if not files:
+        return None, None
+    import pyarrow.parquet as pq
+    from mlflow.types.schema import ColSpec, Schema
+
+    kinds = {"int": "long", "uint": "long", "float": "double", "double": "double", "bool": "boolean",
+             "string": "string", "large_string": "string", "binary": "binary"}
+    try:
+        metas = [pq.ParquetFile(f) for f in files]
+    except Exception:  # noqa: BLE001 - a schema is a courtesy: an unreadable shard is the input check's to name
+        return None, None
+    cols = []
+    for field in metas[0].schema_arrow:
+        t = str(field.type)
+        kind = next((v for k, v in kinds.items() if t.startswith(k)), None)
+        cols.append(ColSpec(kind or "string", field.name) if kind else ColSpec("string", f"{field.name} ({t})"))
+    profile = {"files": len(files), "rows": sum(m.metadata.num_rows for m in metas),
+               "bytes": sum(f.stat().st_size for f in files)}
+    return Schema(cols), profile
+
+
 def runs_url(ui: str, cfg: Config, project_dir: Path) -> str:
     """The MLflow UI page of the experiment's training runs, in the machine-learning view."""
     from mlflow.tracking import MlflowClient
@@ -330,6 +355,7 @@ class Tracker:
         if previous:
             tags["hacrl.supersedes"] = previous
         run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
+        self._log_params(run_id, flatten(dataclasses.asdict(self.cfg)))  # its Parameters tab: what ran
         doc["iterations"][str(t)] = run_id
         write_json(self._pointer(), doc)
         return run_id
@@ -362,11 +388,25 @@ class Tracker:
         return self._hashes[key]
 
     def _dataset(self, inp: Input):
+        """An input as an MLflow dataset: its path relative to the project (not the checkout's
+        place on disk), its DVC hash as digest, and for Parquet shards their record schema and a
+        profile (rows, files, bytes) read from the files' footers."""
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.data.sources import LocalArtifactDatasetSource
 
         path = self.project / inp.path
-        return MetaDataset(LocalArtifactDatasetSource(str(path.resolve())), name=inp.name, digest=self._hash(path))
+        rel = path.relative_to(self.project).as_posix() if path.is_relative_to(self.project) else str(path)
+        schema, profile = _parquet_schema_and_profile(path)
+
+        class _Profiled(MetaDataset):  # MetaDataset has a schema but no profile
+            @property
+            def profile(self):  # noqa: D401 - MLflow's hook
+                return profile
+
+            def to_dict(self) -> dict[str, str]:
+                return {**super().to_dict(), **({"profile": json.dumps(profile)} if profile else {})}
+
+        return _Profiled(LocalArtifactDatasetSource(rel), name=inp.name, digest=self._hash(path), schema=schema)
 
     def _inputs(self, run_id: str, inputs: list[Input]) -> None:
         from mlflow.entities import DatasetInput, InputTag
@@ -412,11 +452,9 @@ class Tracker:
         if res.dataset is not None and res.evaluated:
             self._inputs(it_run, [res.dataset])
             dataset = (res.dataset.name, self._hash(self.project / res.dataset.path))
+        # the evaluated checkpoints are this iteration's own outputs (logged as such by the stage
+        # that wrote them): their figures link to them, they are not the iteration's inputs
         evaluated = {a: self._model_of(a, t, Path(p)) for a, p in res.evaluated.items()}
-        if any(evaluated.values()):
-            from mlflow.entities import LoggedModelInput
-
-            self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in evaluated.values() if m])
         for agent, values in res.agents.items():
             self._metrics(self.agent_run(agent, start_ms), values, t, end_ms, model_id=evaluated.get(agent))
         for agent, values in res.evaluation.items():  # measured on the dataset: linked to it too
