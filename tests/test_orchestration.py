@@ -247,3 +247,26 @@ def test_dvc_subprocesses_do_not_inherit_the_project_on_pythonpath(tmp_path, mon
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert "PYTHONPATH" not in dvc_env(project=tmp_path)
     assert dvc_env()["PYTHONPATH"] == str(tmp_path)  # no project named: as it was
+
+
+def test_hacrl_iterate_ends_with_the_iterations_result(tmp_path, monkeypatch):
+    """The last lines of `hacrl iterate`: held-out accuracy per agent with the change since the
+    previous iteration, and the MLflow page (machine-learning view)."""
+    from hacrl.ops.launch import result_lines
+    from hacrl.pipeline import params
+    from hacrl.storage import write_json
+
+    from conftest import SMOKE
+
+    params.write_params(params.compose([*SMOKE, "tracking.enabled=true",
+                                        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]), tmp_path / "params.yaml")
+    write_json(tmp_path / "runs" / "it1" / "eval_metrics.json", {"agents": {"gpt2-a": {"eval_accuracy": 0.25},
+                                                                          "llama-b": {"eval_accuracy": 0.5}}})
+    write_json(tmp_path / "runs" / "it2" / "eval_metrics.json", {"agents": {"gpt2-a": {"eval_accuracy": 0.3},
+                                                                          "llama-b": {"eval_accuracy": 0.45}}})
+    monkeypatch.setenv("HACRL_MLFLOW_UI", "http://127.0.0.1:5000")
+    lines = result_lines(tmp_path, 2)
+    assert lines[0] == "held-out accuracy after iteration 2: gpt2-a 30.0 % (+5.0), llama-b 45.0 % (-5.0)"
+    assert lines[1].startswith("MLflow: http://127.0.0.1:5000/#/experiments/") and \
+        lines[1].endswith("/runs?workflowType=machine_learning")
+    assert result_lines(tmp_path, 3) == []  # not evaluated: nothing claimed

@@ -129,7 +129,10 @@ def test_iterate_runs_one_iteration_as_six_tasks_then_dvc_repro_runs_nothing(ser
     assert "  ▶ prepare-data" in out and "  ▶ generate-rollouts@it1" in out
     assert out.index("  ▶ generate-rollouts@it1") < out.index("  ▶ update-policies@it1")
     assert any(ln.startswith("  ✓ evaluate@it1 (") for ln in out)
-    assert out[-1].startswith("iterate-it1: completed in "), out
+    # it ends with the result: the completion, held-out accuracy per agent, where to look
+    done = next(i for i, ln in enumerate(out) if ln.startswith("iterate-it1: completed in "))
+    assert out[done + 1].startswith("held-out accuracy after iteration 1: ") and "%" in out[done + 1], out
+    assert out[-1].startswith("Prefect: http://127.0.0.1:") and "/runs/flow-run/" in out[-1], out
     runs = _flow_runs(served)
     assert len(runs) == 1 and runs[0]["state_type"] == "COMPLETED" and runs[0]["name"] == "iterate-it1"
     # the flow run's report: per-agent accuracy, linked to the MLflow runs and models
@@ -194,7 +197,8 @@ def test_failed_stage_marks_the_run_failed_with_a_one_line_reason_and_the_next_r
     # README: hacrl iterate trainer.lr=1e-4
     out = _run(["hacrl", "iterate", *SMOKE, "orchestration.retry_delay_s=1", "experiment.iterations=2",
                 "orchestration.gpu_routing=local"], served).stdout
-    assert out.splitlines()[-1].startswith("iterate-it2: completed in "), out
+    assert any(ln.startswith("iterate-it2: completed in ") for ln in out.splitlines()), out
+    assert "held-out accuracy after iteration 2: " in out and out.splitlines()[-1].startswith("Prefect: "), out
     resumed = _flow_runs(served)[-1]
     assert resumed["state_type"] == "COMPLETED" and resumed["name"] == "iterate-it2"
     logs = _logs(served, resumed["id"])

@@ -35,6 +35,45 @@ def flow_failure(message: str) -> str:
     return (m.group(1) if m else message or "no message").strip().splitlines()[0]
 
 
+RUNNING_EVERY_S = 30.0
+"""A stage still running says so, with its elapsed time, this often (a long update shows life)."""
+
+
+def result_lines(project: Path, t: int) -> list[str]:
+    """What an iteration gave, for the terminal: held-out accuracy per agent with the change since
+    the previous iteration, and where to look (MLflow's runs, in the machine-learning view)."""
+    from hacrl.pipeline import params
+    from hacrl.storage import RunLayout, read_json
+
+    try:
+        cfg = params.load(project / "params.yaml")
+    except Exception:  # noqa: BLE001 - the figures are a courtesy after a completed run
+        return []
+    lay = RunLayout(project / cfg.experiment.runs_dir)
+    now, before = lay.eval_metrics(t), lay.eval_metrics(t - 1) if t > 0 else None
+    if not now.exists():
+        return []
+    cur = read_json(now)["agents"]
+    prev = read_json(before)["agents"] if before is not None and before.exists() else {}
+    parts = []
+    for a, m in cur.items():
+        if "eval_accuracy" not in m:
+            continue
+        delta = (f" ({100 * (m['eval_accuracy'] - prev[a]['eval_accuracy']):+.1f})"
+                 if "eval_accuracy" in prev.get(a, {}) else "")
+        parts.append(f"{a} {100 * m['eval_accuracy']:.1f} %{delta}")
+    lines = [f"held-out accuracy after iteration {t}: " + ", ".join(parts)] if parts else []
+    ui = os.environ.get("HACRL_MLFLOW_UI")
+    if ui and cfg.tracking.enabled:
+        from hacrl.ops.tracking import runs_url
+
+        try:
+            lines.append(f"MLflow: {runs_url(ui, cfg, project)}")
+        except Exception:  # noqa: BLE001 - a store that cannot be read: the figures still stand
+            pass
+    return lines
+
+
 def launch(project: Path, iteration: int | None = None, force: bool = False, overrides: list[str] | None = None,
            watch: bool = True, poll_s: float = 1.0, out: Callable[[str], None] = print) -> int:
     """Create an iterate flow run named ``iterate-itT``; with ``watch``, follow it to the end.
@@ -95,6 +134,12 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
                 if tr.run_count > 1 and ("retry", tr.run_count) not in done:
                     out(f"  ↻ {tr.name} (attempt {tr.run_count})")
                     done.add(("retry", tr.run_count))
+                if state == "RUNNING" and tr.start_time is not None:  # a long stage shows life
+                    ran = time.time() - tr.start_time.timestamp()
+                    tick = int(ran // RUNNING_EVERY_S)
+                    if tick >= 1 and ("tick", tr.run_count, tick) not in done:
+                        out(f"  · {tr.name} running, {tick * RUNNING_EVERY_S:.0f} s")
+                        done.add(("tick", tr.run_count, tick))
                 if state != "RUNNING" and ("end", state, tr.run_count) not in done:
                     took = f" ({tr.total_run_time.total_seconds():.1f} s)" if state == "COMPLETED" else ""
                     out(f"  {_MARK[state]} {tr.name}{took}")
@@ -106,6 +151,11 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
     name = run.name
     if run.state.is_completed():
         out(f"{name}: completed in {took:.0f} s")
+        m = re.fullmatch(r"iterate-it(\d+)", name or "")
+        for line in result_lines(project, int(m.group(1))) if m else []:
+            out(line)
+        if ui:
+            out(f"Prefect: {ui}/runs/flow-run/{fr.id}")
         return 0
     out(f"{name}: {run.state.type.value.lower()}: {flow_failure(run.state.message or '')}")
     return 1
