@@ -270,3 +270,22 @@ def test_hacrl_iterate_ends_with_the_iterations_result(tmp_path, monkeypatch):
     assert lines[1].startswith("MLflow: http://127.0.0.1:5000/#/experiments/") and \
         lines[1].endswith("/runs?workflowType=machine_learning")
     assert result_lines(tmp_path, 3) == []  # not evaluated: nothing claimed
+
+
+def test_hacrl_iterate_says_what_an_override_makes_stale_before_it_starts(tmp_path):
+    import shutil
+
+    from hacrl.ops.launch import override_effect
+    from hacrl.pipeline import params
+
+    from conftest import ROOT, SMOKE
+
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    params.write_params(params.compose(SMOKE), tmp_path / "params.yaml")
+    assert override_effect(tmp_path, params.compose(SMOKE)) == []  # nothing changes, nothing said
+    lines = override_effect(tmp_path, params.compose([*SMOKE, "trainer.lr=1e-4"]))
+    assert lines[0].startswith("overrides change 1 setting(s): trainer.lr 0.0005 -> 0.0001"), lines
+    assert "update-policies" in lines[1] and "generate-rollouts" not in lines[1]
+    assert "this run redoes iteration 1" in lines[1] and "hacrl.supersedes" in lines[2]
+    lines = override_effect(tmp_path, params.compose([*SMOKE, "data.max_operand=50"]))
+    assert "prepare-data" in lines[1] and "the pool is prepared again" in lines[1]

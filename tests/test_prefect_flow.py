@@ -199,6 +199,8 @@ def test_failed_stage_marks_the_run_failed_with_a_one_line_reason_and_the_next_r
                 "orchestration.gpu_routing=local"], served).stdout
     assert any(ln.startswith("iterate-it2: completed in ") for ln in out.splitlines()), out
     assert "held-out accuracy after iteration 2: " in out and out.splitlines()[-1].startswith("Prefect: "), out
+    # the stages DVC had up to date say so (the failed run finished the first two)
+    assert any(ln.startswith("  ✓ generate-rollouts@it2 (") and ln.endswith(", up to date)") for ln in out.splitlines()), out
     resumed = _flow_runs(served)[-1]
     assert resumed["state_type"] == "COMPLETED" and resumed["name"] == "iterate-it2"
     logs = _logs(served, resumed["id"])

@@ -194,6 +194,11 @@ def test_a_config_that_changes_results_starts_a_new_experiment_run(tracked):
     assert new["experiment_run"] != old["experiment_run"]
     assert tr.client.get_run(new["experiment_run"]).data.tags["hacrl.supersedes"] == old["experiment_run"]
     assert not set(new["agents"].values()) & set(old["agents"].values())
+    # named apart from the runs they supersede, by what changed (the legend tells them apart)
+    exp_name = tr.client.get_run(new["experiment_run"]).info.run_name
+    assert exp_name == f"{cfg.experiment.name} #2 (trainer.lr=0.0001)", exp_name
+    assert tr.client.get_run(new["agents"]["gpt2-a"]).info.run_name == "gpt2-a #2 · trainer.lr=0.0001"
+    assert tr.client.get_run(old["agents"]["gpt2-a"]).info.run_name == "gpt2-a"
 
 
 

@@ -74,6 +74,65 @@ def result_lines(project: Path, t: int) -> list[str]:
     return lines
 
 
+def _flat(d, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        return {k: v for key, val in d.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): d}
+
+
+def override_effect(project: Path, new: dict) -> list[str]:
+    """What recomposing params.yaml as ``new`` changes, said before a flow run starts: the settings
+    that change (generated keys such as ``iterations`` aside), the stages whose params they are
+    (dvc.yaml), and the first iteration that runs again. Empty when nothing changes."""
+    from hacrl.config.build import read_yaml
+
+    pfile, dfile = project / "params.yaml", project / "dvc.yaml"
+    if not pfile.exists() or not dfile.exists():
+        return []
+    skip = ("iterations", "external_inputs")
+    old_flat = {k: v for k, v in _flat(read_yaml(pfile) or {}).items() if not k.startswith(skip)}
+    new_flat = {k: v for k, v in _flat(new).items() if not k.startswith(skip)}
+    changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
+    if not changed:
+        return []
+    shown = ", ".join(f"{k} {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed[:6])
+    lines = [f"overrides change {len(changed)} setting(s): {shown}" + (" ..." if len(changed) > 6 else "")]
+    stale, first = [], None
+    for name, st in ((read_yaml(dfile) or {}).get("stages") or {}).items():
+        body = st.get("do", st)
+        keys = [k for k in body.get("params", []) if isinstance(k, str)]
+        if any(c == k or c.startswith(k + ".") for c in changed for k in keys):
+            stale.append(name)
+            if "foreach" in st:
+                first = 1 if first is None else min(first, 1)
+            elif name in ("prepare-data", "prepare-pool"):
+                first = 0
+    if stale:
+        lines.append(f"stale: {', '.join(stale)} (every iteration of a per-iteration stage); "
+                     + ("the pool is prepared again, then iteration 1 runs" if first == 0 else
+                        "this run redoes iteration 1; later iterations follow in later runs"
+                        if first == 1 else "only the report is redone"))
+        lines.append("a config that changes results starts a new MLflow experiment run (tag hacrl.supersedes); "
+                     "the old runs stay")
+    return lines
+
+
+SKIPPED = {"up to date (DVC), skipped": ", up to date", "restored from DVC's run cache": ", restored"}
+"""What a stage task logs when it did not run its stage (tasks/stages.py), as the terminal says it."""
+
+
+def _what_it_did(client, task_run_id) -> str:
+    """``, up to date`` / ``, restored`` for a stage task that did not run its stage, else ``""``
+    (read from the task's own log line; a log that cannot be read says nothing)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    try:
+        logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])), limit=200)
+    except Exception:  # noqa: BLE001 - a courtesy line, never a failure
+        return ""
+    return next((v for log in logs for k, v in SKIPPED.items() if k in (log.message or "")), "")
+
+
 def launch(project: Path, iteration: int | None = None, force: bool = False, overrides: list[str] | None = None,
            watch: bool = True, poll_s: float = 1.0, out: Callable[[str], None] = print) -> int:
     """Create an iterate flow run named ``iterate-itT``; with ``watch``, follow it to the end.
@@ -92,7 +151,8 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
     if overrides:  # refused here, before a flow run exists (the flow recomposes params.yaml with them)
         from hacrl.pipeline.params import compose
 
-        compose(list(overrides))
+        for line in override_effect(project, compose(list(overrides))):  # said before anything runs
+            out(line)
     # with overrides the iteration is chosen once params.yaml is recomposed: the flow names its run then
     t = None if overrides else next_iteration(project, iteration)  # None: known once prepared
     name = f"iterate-it{t}" if t is not None else "iterate"
@@ -141,7 +201,8 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
                         out(f"  · {tr.name} running, {tick * RUNNING_EVERY_S:.0f} s")
                         done.add(("tick", tr.run_count, tick))
                 if state != "RUNNING" and ("end", state, tr.run_count) not in done:
-                    took = f" ({tr.total_run_time.total_seconds():.1f} s)" if state == "COMPLETED" else ""
+                    what = _what_it_did(client, tr.id) if state == "COMPLETED" else ""
+                    took = f" ({tr.total_run_time.total_seconds():.1f} s{what})" if state == "COMPLETED" else ""
                     out(f"  {_MARK[state]} {tr.name}{took}")
                     done.add(("end", state, tr.run_count))
             if run.state is not None and run.state.is_final():

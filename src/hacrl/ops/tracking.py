@@ -297,17 +297,36 @@ class Tracker:
         digest = config_digest(self.cfg)
         if doc.get("digest") == digest and self._reopen(doc.get("experiment_run")):
             return doc["experiment_run"]
-        tags = {**self._base_tags(), "mlflow.runName": self.cfg.experiment.name, "hacrl.kind": "experiment",
+        params = flatten(dataclasses.asdict(self.cfg))
+        previous = doc.get("experiment_run")
+        generation = int(doc.get("generation", 1)) + 1 if previous else 1
+        label = self._changed_since(previous, params) if previous else ""
+        # a superseding run is told apart from the one it supersedes in every list and legend
+        name = self.cfg.experiment.name + (f" #{generation}" if generation > 1 else "") + (f" ({label})" if label else "")
+        tags = {**self._base_tags(), "mlflow.runName": name, "hacrl.kind": "experiment",
                 "hacrl.workspace": str(self.project)}
-        if doc.get("experiment_run"):
-            tags["hacrl.supersedes"] = doc["experiment_run"]
+        if previous:
+            tags["hacrl.supersedes"] = previous
         run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
-        self._log_params(run_id, flatten(dataclasses.asdict(self.cfg)))
+        self._log_params(run_id, params)
         # the logged models stay: a checkpoint is the same model whichever run logged it
         write_json(self._pointer(), {"experiment_id": self.experiment_id, "digest": digest,
                                      "experiment_run": run_id, "agents": {}, "iterations": {},
+                                     "generation": generation, "label": label,
                                      "models": doc.get("models", {})})
         return run_id
+
+    def _changed_since(self, run_id: str, params: dict[str, str]) -> str:
+        """The settings that differ from ``run_id``'s params, as ``key=value`` (at most two)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            old = self.client.get_run(run_id).data.params
+        except MlflowException:
+            return ""
+        diff = [f"{k}={params[k]}" for k in sorted(params) if k in old and old[k] != params[k]
+                and not k.startswith("experiment.iterations")]
+        return ", ".join(diff[:2]) + (" ..." if len(diff) > 2 else "")
 
     def agent_run(self, agent: str, start_ms: int | None = None) -> str:
         """The run of ``agent`` across iterations: its figures at step t, one line per agent on
@@ -318,7 +337,9 @@ class Tracker:
         if self._reopen(run_id):
             return run_id
         ac = self.cfg.agent(agent)
-        tags = {**self._base_tags(), "mlflow.runName": agent, "hacrl.kind": "agent", "hacrl.agent": agent,
+        gen, label = int(doc.get("generation", 1)), doc.get("label", "")
+        name = agent + (f" #{gen}" if gen > 1 else "") + (f" · {label}" if label else "")
+        tags = {**self._base_tags(), "mlflow.runName": name, "hacrl.kind": "agent", "hacrl.agent": agent,
                 "hacrl.experiment_run": exp}
         run_id = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags).info.run_id
         self._log_params(run_id, flatten(dataclasses.asdict(ac)))
