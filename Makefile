@@ -58,7 +58,9 @@ params: setup
 run: params
 	$(BIN)/dvc repro
 	@$(BIN)/hacrl track
+	@sed -n '/^| agent/,/^$$/p' reports/README.md
 	@echo "Report: $(CURDIR)/reports/README.md (summary: reports/summary.json, plots: reports/*.png)"
+	@echo "Browse runs, checkpoints and lineage: make serve, then open the MLflow URL it prints"
 
 # Prefect server + work pools + deployments + worker, MLflow UI (127.0.0.1); writes .services.env
 PREFECT_PORT ?= 4200

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a bar per weight load: hundreds of lines per run
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not Path("/dev/nvidia0").exists() else "cuda")
 # the BLAS thread count fixed, not adapted to the machine's load: with MKL's dynamic threads a
 # warm-up run beside another busy process on 2 cores rounded differently and ended elsewhere
@@ -163,8 +164,9 @@ def cmd_track(args: argparse.Namespace) -> int:
     n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=args.timeout)
     left = track_queue.pending(project, cfg.experiment.runs_dir)
     failed = track_queue.refused(project, cfg.experiment.runs_dir)
-    print(f"MLflow: {n} stage records logged now" + (f", {len(left)} still queued" if left else "")
-          + (f", {len(failed)} refused" if failed else ""))
+    print("MLflow: " + ("every stage record is logged" if not left and not failed else "not every stage record is logged")
+          + f" ({n} by this command, the rest as the stages ended)" + (f"; {len(left)} still queued" if left else "")
+          + (f"; {len(failed)} refused" if failed else ""))
     if failed:  # the reason in the line, and the way back
         reasons = dict.fromkeys(r for _, r in failed)
         for r in list(reasons)[:3]:

@@ -35,3 +35,16 @@ def hash_seed(*parts) -> int:
 def resource_plan(cfg: Config) -> ResourcePlan:
     """The MWRA plan of the pool on the declared inventory (``resources``; docs/SCALING.md)."""
     return plan_for(cfg)
+
+
+def compact(stats: dict, keys: tuple[str, ...] | None = None) -> str:
+    """A stage's figures as one short terminal line: ``key value`` pairs, numbers to 4 significant
+    digits, nested mappings as ``key{a: 1, b: 2}``; ``keys``: only these, in this order (the
+    full mapping goes to the artifact and to DEBUG logs)."""
+    def fmt(v) -> str:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v) if not isinstance(v, dict) else "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    items = [(k, stats[k]) for k in (keys or tuple(stats)) if k in stats and stats[k] is not None]
+    return " · ".join(f"{k} {fmt(v)}" for k, v in items)

@@ -92,8 +92,12 @@ def evaluate(cfg: Config, t: int) -> StageResult:
                         m[k] = us[k]
                 m.update(extra.get(ac.name, {}))
             metrics["agents"][ac.name] = m
-            log.info("eval it%d %s: acc %.3f +- %.3f", t, ac.name, acc, m["eval_stderr"])
     prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}
+    before = prev["iterations"][-1]["agents"] if prev["iterations"] else {}
+    for name, m in metrics["agents"].items():  # one line per agent, in points, with the change
+        was = before.get(name, {}).get("eval_accuracy")
+        log.info("held-out it%d %s: %.1f %% +- %.1f%s", t, name, 100 * m["eval_accuracy"], 100 * m["eval_stderr"],
+                 f" ({100 * (m['eval_accuracy'] - was):+.1f} since it{t - 1})" if was is not None else "")
     history = {"algorithm": cfg.algorithm.name,
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
     write_json(lay.eval_metrics(t), headline_metrics(metrics))

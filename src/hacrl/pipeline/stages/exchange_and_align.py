@@ -68,11 +68,16 @@ def exchange_and_align(cfg: Config, t: int) -> StageResult:
         write_json(tmp / "thl_residuals.json", {
             "tokenizers": {ac.name: ac.tokenizer_id for ac in cfg.agents},
             "pairs": {p: {k: residuals[p][k] for k in sorted(residuals[p])} for p in sorted(residuals)}})
+    shared = {ac.name: stats[ac.name]["cross"] > 0 for ac in cfg.agents}
     for producer, row in residuals.items():
         for learner, r in row.items():
             if r["round_trip_mismatch"] > 0:
-                log.warning("THL %s -> %s: %.1f%% of responses do not survive decode(encode(text)) in the "
-                            "learner's tokenizer", producer, learner, 100 * r["round_trip_mismatch"])
+                # a warning only where the learner trains on the producer's text; a measured pair
+                # an algorithm never shares is information (thl_residuals.json, MLflow)
+                (log.warning if shared.get(learner) else log.info)(
+                    "THL %s -> %s: %.1f%% of responses do not survive decode(encode(text)) in the learner's "
+                    "tokenizer%s", producer, learner, 100 * r["round_trip_mismatch"],
+                    "" if shared.get(learner) else " (measured only: this algorithm trains on no peer text)")
     stats["thl"] = residuals
     # a learner's figures, and the THL residuals of each producer's records in its tokenizer
     per = {ac.name: {**numbers(stats[ac.name], "learner_"),

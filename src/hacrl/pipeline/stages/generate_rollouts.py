@@ -10,7 +10,7 @@ from hacrl.agents.pool import load_agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import rollout_records, write_records
-from hacrl.pipeline.common import hash_seed, layout, resource_plan, set_threads, split
+from hacrl.pipeline.common import compact, hash_seed, layout, resource_plan, set_threads, split
 from hacrl.pipeline.engines import LOADING, SERIAL, open_engine, place, release_engine
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.resources import job_threads, run_stage
@@ -30,6 +30,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
     in-process run (see :func:`hacrl.pipeline.engines.open_engine`); the plan's releases apply to them.
     """
     set_threads(cfg)
+    log.info("── iteration %d/%d (%s) ──", t, cfg.experiment.iterations, cfg.algorithm.name)
     lay = layout(cfg)
     prompts = task_data.prompts_for_iteration(split(cfg, "train"), cfg.rollout.prompts_per_iteration,
                                               cfg.experiment.seed, t)
@@ -74,7 +75,8 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
                 with SERIAL:
                     st.update(logprob_gap(agent.model, comps, agent.tokenizer.pad_token_id, r.temperature,
                                           cfg.engines.logprob_check_samples))
-            log.info("rollouts %s: %s", ac.name, st)
+            log.info("rollouts %s: %s", ac.name, compact(st, ("samples", "tokens", "seconds", "tokens_per_s")))
+            log.debug("rollouts %s: %s", ac.name, st)
             return st
 
         held: dict = {}  # sessions with the engine host, until a release or the stage's end

@@ -10,7 +10,7 @@ from hacrl.agents.pool import Agent, build_model, load_agent, save_agent, train_
 from hacrl.agents.pretrained import FETCHERS
 from hacrl.agents.warmup import warm_up
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import layout, set_threads, split
+from hacrl.pipeline.common import compact, layout, set_threads, split
 from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.storage import atomic_path, without_timings, write_json
 from hacrl.task import data as task_data
@@ -69,7 +69,7 @@ def prepare_pool(cfg: Config) -> StageResult:
             save_agent(agent, tmp_ckpts / ac.name)
             rec["seconds"] = round(time.time() - t0, 1)
             records[ac.name] = rec
-            log.info("agent %s: %s", ac.name, rec)
+            log.info("agent %s: %s", ac.name, compact(rec))
     with atomic_path(lay.train_state(0), is_dir=True) as tmp:
         for ac in cfg.agents:
             (tmp / ac.name).mkdir()

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import layout, resource_plan, set_threads
+from hacrl.pipeline.common import compact, layout, resource_plan, set_threads
 from hacrl.pipeline.learner import update_agent
 from hacrl.pipeline.result import Input, Series, StageResult, numbers, shard_inputs
 from hacrl.pipeline.update_worker import launch
@@ -15,6 +15,10 @@ from hacrl.rl.algorithms import LOSSES
 from hacrl.storage import atomic_path, without_timings, write_json
 
 log = logging.getLogger(__name__)
+
+UPDATE_LINE = ("samples", "updates", "loss", "grad_norm", "entropy", "update_to_weight", "clip_frac", "kl_to_init",
+               "kl_init_before_step", "reward_mean", "cross_samples", "seconds")
+"""What the terminal line of one learner's update shows (update_stats.json has everything)."""
 
 
 def update_policies(cfg: Config, t: int) -> StageResult:
@@ -45,7 +49,8 @@ def update_policies(cfg: Config, t: int) -> StageResult:
                 st = update_agent(cfg, t, name, tmp_ck / name, tmp_st / name)
             if hooks is not None and hooks.carry is not None:  # state it keeps across iterations
                 hooks.carry(lay.train_state(t - 1) / name, tmp_st / name, st, t)
-            log.info("update %s: %s", name, {k: v for k, v in st.items() if k not in private})
+            log.info("update %s: %s", name, compact(st, UPDATE_LINE))
+            log.debug("update %s: %s", name, {k: v for k, v in st.items() if k not in private})
             return st
 
         done = run_stage(rplan, "update", job)

@@ -8,7 +8,7 @@ import pandas as pd
 
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records, write_records
-from hacrl.pipeline.common import layout
+from hacrl.pipeline.common import compact, layout
 from hacrl.pipeline.engines import verifier_lease
 from hacrl.pipeline.result import StageResult
 from hacrl.storage import atomic_path
@@ -39,7 +39,8 @@ def verify_rewards(cfg: Config, t: int) -> StageResult:
             write_records(tmp / f"{ac.name}.parquet", df, "verdict")
             counts = df["verdict"].value_counts().to_dict()
             stats[ac.name] = {"reward_mean": float(df["reward"].mean()), "verdicts": counts}
-            log.info("rewards %s: %s", ac.name, stats[ac.name])
+            log.info("rewards %s: %s", ac.name, compact(stats[ac.name], ("reward_mean", "verdicts")))
+            log.debug("rewards %s: %s", ac.name, stats[ac.name])
         stats["_killed_workers"] = pool.killed
         stats["_fast_verdicts"] = pool.fast
     per = {}
