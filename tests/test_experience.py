@@ -214,7 +214,8 @@ def test_a_subscription_that_would_count_records_twice_or_select_nothing_is_refu
     data["algorithm"]["subscription"] = subscription
     with pytest.raises(ConfigError, match=why):
         params.from_dict(data)
-    ok = params.compose([])  # disjoint streams are fine: own trajectories and peers' successes
+    ok = params.compose(["algorithm.name=grpo_with_successes"])  # disjoint streams are fine: own
+    # trajectories and peers' successes (a variant of the grpo preset: its own label)
     ok["algorithm"]["subscription"] = [{"record_type": "trajectory", "producers": "self"},
                                        {"record_type": "verified_success", "producers": "peers"}]
     params.from_dict(ok)
@@ -227,7 +228,7 @@ def test_an_estimator_is_refused_without_the_records_it_needs():
         params.from_dict(data)
     data = params.compose(["algorithm=hacpo"])
     data["algorithm"]["loss"]["alpha"] = "three"
-    with pytest.raises(ConfigError, match=r"^algorithm.loss.alpha: invalid value 'three' \(expected a number\)"):
+    with pytest.raises(ConfigError, match=r"^algorithm.loss.alpha: invalid value 'three' \(expected a finite number\)"):
         params.from_dict(data)
 
 

@@ -232,3 +232,15 @@ def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypa
     assert [r[0] for r in ran] == ["hacpo"]
     res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
     assert {r["contender"]: r["agents"]["a"]["eval_accuracy"][-1] for r in res["runs"]} == {"gspo": 0.3, "hacpo": pytest.approx(0.15)}
+
+
+def test_two_contenders_that_ran_the_same_numbers_are_said_identical_not_tested():
+    """SGT and its oracle on boxed answers inject the same text: every paired difference is 0, and
+    the report says so instead of a degenerate interval and p-value."""
+    from hacrl.study.claims import findings
+
+    runs = [{"contender": c, "seed": s, "agents": {"a": {"eval_accuracy": [0.1, 0.2 + 0.01 * s], "rollouts": [0, 8]}}}
+            for c in ("x", "y") for s in range(4)]
+    (eq, up) = findings(runs, [("x equals y", "x", "y", "equal"), ("x above y", "x", "y")])
+    assert eq["differences"]["a"]["verdict"] == "identical in every seed" and eq["reproduces"]
+    assert up["differences"]["a"]["verdict"] == "identical in every seed" and not up["reproduces"]

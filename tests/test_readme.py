@@ -69,8 +69,9 @@ def test_the_readme_overrides_compose_into_valid_configs(tmp_path):
             f.parent.mkdir(parents=True, exist_ok=True)
             if not f.exists():
                 f.write_text(rows)
-        else:  # a saved dataset's directory
+        else:  # a saved dataset's directory (what save_to_disk leaves: its state file)
             f.mkdir(parents=True, exist_ok=True)
+            (f / "state.json").write_text("{}")
     for cmd in cmds:
         # the README's /data/ paths point at files made here
         overrides = [o.replace("=/data/", f"={data}/") for o in _make_run_overrides(cmd)]

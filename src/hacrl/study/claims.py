@@ -92,6 +92,8 @@ def _cell(d: list[float], scale: float, kind: str, margin: float) -> dict:
         return {**cell, "stderr_points": float("nan"), "p": float("nan"), "verdict": "one seed: not tested"}
     r = paired_t(d)
     cell.update({"stderr_points": shown(r.se), "df": r.df, "ci": [shown(r.lo), shown(r.hi)]})
+    if all(x == 0 for x in d):  # the two contenders ran the same numbers: no test says more than that
+        cell["identical"] = True
     if kind.startswith("equal"):
         eq = tost(d, margin / scale)
         cell.update({"p": eq.p, "margin_points": margin})
@@ -155,7 +157,9 @@ def _holm_verdicts(found: list[dict]) -> None:
     for (f, c), p_adj in zip(tested, adjusted):
         c["p_holm"] = round(p_adj, 4)
         c["p"] = round(c["p"], 4)
-        if f["kind"].startswith("equal"):
+        if c.get("identical"):
+            c["verdict"] = "identical in every seed"
+        elif f["kind"].startswith("equal"):
             c["verdict"] = "equivalent" if p_adj < ALPHA else "not shown equivalent"
         elif f["kind"] == "every_checkpoint":
             c["verdict"] = "holds" if p_adj < ALPHA else "not resolved"
@@ -165,7 +169,8 @@ def _holm_verdicts(found: list[dict]) -> None:
             c["verdict"] = "not resolved"
     for f in found:
         verdicts = [c["verdict"] for c in f["differences"].values()]
-        f["reproduces"] = all(v in ("holds", "equivalent") for v in verdicts)
+        f["reproduces"] = all(v in ("holds", "equivalent") or (v == "identical in every seed" and
+                                                               f["kind"].startswith("equal")) for v in verdicts)
 
 
 def _signature(run: dict, agent: str, key: str) -> float:

@@ -217,7 +217,6 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
                 + (f", after {n_tune} dev runs tuning {' '.join(tune or [])}" if points else "")
                 + f"; primary: {st['primary']['better']} - {st['primary']['worse']} ({st['primary']['endpoint']}); "
                 f"base overrides: {' '.join(base_overrides)}; every config valid")
-    t0 = time.time()
     for w in range(warmups):
         prepare_base(base_overrides, out, w)
     from tqdm import tqdm
@@ -234,16 +233,19 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         # the comparison changes that mechanism only); the method is swept even when not reported
         parent = {c: tuned_as.get(c, c) for c in chosen}
         swept = list(dict.fromkeys(parent.values()))
+        tune_seconds = 0.0
         scores: dict[str, dict[str, float]] = {c: {} for c in swept}
         jobs = [(c, pt, s) for s in tseeds for c in swept for pt in points]
         for c, pt, s in tqdm(jobs, desc=f"tune {suite}/{setting} on dev"):
             label = " ".join(pt)
             r = run(f"tune/{c}/{label.replace(' ', '_')}", own_of(c) + pt + ["eval.split=dev"], s)
             scores[c].setdefault(label, []).append(dev_score(r))
+            tune_seconds += r.get("seconds", 0.0)
         dev = {c: {k: float(np.mean(v)) for k, v in sc.items()} for c, sc in scores.items()}
         best = {c: max(sc, key=lambda k: (sc[k], -list(sc).index(k))) for c, sc in dev.items()}
         tuning = {"grid": list(tune or []), "values": [" ".join(p) for p in points], "seeds": tseeds,
-                  "dev_scores": dev, "chosen": {c: best[parent[c]] for c in chosen},
+                  "seconds": round(tune_seconds, 1),
+                  "dev_scores": dev, "chosen": {**best, **{c: best[parent[c]] for c in chosen}},
                   "tuned_as": {c: parent[c] for c in chosen if parent[c] != c}}
         own = {c: own[c] + best[parent[c]].split() for c in chosen}
         log.info("chosen on dev: %s", tuning["chosen"])
@@ -255,7 +257,9 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
                  r.get("seconds", 0.0))
         results.append(r)
     suite_dir = Path(reports_dir).resolve() / suite
-    wall = time.time() - t0
+    # the runs' own times (reused runs of an interrupted suite included), not this invocation's
+    # wall clock, which a --resume that reruns nothing would report as minutes
+    wall = sum(r.get("seconds", 0.0) for r in results) + (tuning or {}).get("seconds", 0.0)
     previous = suite_dir / setting / "results.json"
     if contenders and previous.exists():
         old = read_json(previous)

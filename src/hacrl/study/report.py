@@ -248,7 +248,7 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
     lines = [primary_line(prim) if prim else "Primary contrast: its two contenders did not both run.", "", title, "",
              *([spec["about"], ""] if spec.get("about") else []),
              f"Seeds {seeds} on {warmups} warm-up pool{'s' if warmups > 1 else ''} (seed s uses pool s mod "
-             f"{warmups}); overrides {' '.join(overrides) or '(none)'}; wall time {wall_s / 60:.1f} min. "
+             f"{warmups}); overrides {' '.join(overrides) or '(none)'}; compute {wall_s / 60:.0f} min (the runs' own times, the dev sweep's {(tuning or {}).get('seconds', 0) / 60:.0f} min included). "
              + (f"KL: coefficient {kl} (k3 to the initial model, on the learner's own samples) for every "
                 "contender alike. " if kl else "KL: off. ")
              + "Final = held-out greedy accuracy after the last iteration, mean +- std over seeds; AUC = mean "
