@@ -98,6 +98,8 @@ def test_two_processes_give_the_single_process_weights(ready, zero):
         assert s2[ac.name]["ratio/" + ac.name + "/n"] == s1[ac.name]["ratio/" + ac.name + "/n"]
         assert s2[ac.name]["loss"] == pytest.approx(s1[ac.name]["loss"], abs=1e-5)
         assert s2[ac.name]["grad_norm"] == pytest.approx(s1[ac.name]["grad_norm"], rel=1e-4)
+        # the step's size, summed over the ranks' partitions of the master weights, is one process's
+        assert s2[ac.name]["update_to_weight"] == pytest.approx(s1[ac.name]["update_to_weight"], rel=1e-3)
         # the export is a plain HF checkpoint at either world size; the state says its world size
         st = RunLayout(cfg2.experiment.runs_dir).train_state(1) / ac.name
         assert json.loads((st / WORLD_FILE).read_text()) == {"world_size": 2, "updates": s2[ac.name]["total_updates"],

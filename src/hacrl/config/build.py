@@ -16,11 +16,15 @@ import os
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hacrl.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+"""The project's Hydra config directory (presets); the project root is its parent."""
 
 _WORDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 

@@ -74,28 +74,26 @@ def result_lines(project: Path, t: int) -> list[str]:
     return lines
 
 
-def _flat(d, prefix: str = "") -> dict:
-    if isinstance(d, dict):
-        return {k: v for key, val in d.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): d}
-
-
 def override_effect(project: Path, new: dict) -> list[str]:
     """What recomposing params.yaml as ``new`` changes, said before a flow run starts: the settings
     that change (generated keys such as ``iterations`` aside), the stages whose params they are
     (dvc.yaml), and the first iteration that runs again. Empty when nothing changes."""
     from hacrl.config.build import read_yaml
+    from hacrl.ops.tracking import flatten  # as MLflow's params show them, credentials redacted
+    from hacrl.pipeline.params import GENERATED_KEYS
 
     pfile, dfile = project / "params.yaml", project / "dvc.yaml"
     if not pfile.exists() or not dfile.exists():
         return []
-    skip = ("iterations", "external_inputs")
-    old_flat = {k: v for k, v in _flat(read_yaml(pfile) or {}).items() if not k.startswith(skip)}
-    new_flat = {k: v for k, v in _flat(new).items() if not k.startswith(skip)}
+
+    def settings(d: dict) -> dict[str, str]:
+        return flatten({k: v for k, v in d.items() if k not in GENERATED_KEYS})
+
+    old_flat, new_flat = settings(read_yaml(pfile) or {}), settings(new)
     changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
     if not changed:
         return []
-    shown = ", ".join(f"{k} {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed[:6])
+    shown = ", ".join(f"{k} {old_flat.get(k, '(none)')} -> {new_flat.get(k, '(none)')}" for k in changed[:6])
     lines = [f"overrides change {len(changed)} setting(s): {shown}" + (" ..." if len(changed) > 6 else "")]
     stale, first = [], None
     for name, st in ((read_yaml(dfile) or {}).get("stages") or {}).items():

@@ -311,21 +311,21 @@ def _set_limits(limits: dict[str, list[int]]) -> None:
     hard limit (a process can lower its limits, never raise its hard ones)."""
     import resource
 
+    import math
+
+    def num(v: int) -> float:
+        return math.inf if v == resource.RLIM_INFINITY else v
+
+    def lim(v: float) -> int:
+        return resource.RLIM_INFINITY if v == math.inf else int(v)
+
     for name, (soft, hard) in limits.items():
         if not hasattr(resource, name):
             continue
         which = getattr(resource, name)
-        _, own_hard = resource.getrlimit(which)
-
-        def cap(v: int) -> int:
-            if own_hard == resource.RLIM_INFINITY:
-                return v
-            return own_hard if v == resource.RLIM_INFINITY else min(v, own_hard)
-
-        hard_v = cap(hard)
-        soft_v = min(cap(soft), hard_v) if hard_v != resource.RLIM_INFINITY else cap(soft)
+        hard_v = min(num(hard), num(resource.getrlimit(which)[1]))
         with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(which, (soft_v, hard_v))
+            resource.setrlimit(which, (lim(min(num(soft), hard_v)), lim(hard_v)))
 
 
 def _child(conn: socket.socket, req: dict, fds: list[int], main_fn) -> None:

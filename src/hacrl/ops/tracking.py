@@ -408,6 +408,11 @@ class Tracker:
             self._hashes[key] = dvc_hash(path)
         return self._hashes[key]
 
+    def _rel(self, path: Path) -> str:
+        """``path`` relative to the project (what a user's checkout shows), else as given."""
+        path = Path(path)
+        return path.relative_to(self.project).as_posix() if path.is_relative_to(self.project) else str(path)
+
     def _dataset(self, inp: Input):
         """An input as an MLflow dataset: its path relative to the project (not the checkout's
         place on disk), its DVC hash as digest, and for Parquet shards their record schema and a
@@ -416,7 +421,7 @@ class Tracker:
         from mlflow.data.sources import LocalArtifactDatasetSource
 
         path = self.project / inp.path
-        rel = path.relative_to(self.project).as_posix() if path.is_relative_to(self.project) else str(path)
+        rel = self._rel(path)
         schema, profile = _parquet_schema_and_profile(path)
 
         class _Profiled(MetaDataset):  # MetaDataset has a schema but no profile
@@ -584,9 +589,8 @@ class Tracker:
                  f"- written by stage `{tags['hacrl.stage']}`, config digest `{tags.get('hacrl.config_digest', '?')}`, "
                  f"commit `{tags.get('hacrl.git_commit', '?')}`"]
         if t > 0:
-            shards = self.layout.rollouts(t)
-            rel = shards.relative_to(self.project).as_posix() if shards.is_relative_to(self.project) else shards.name
-            lines.append(f"- trained on the rollout shards `{rel}/` and the learner inputs of iteration {t}")
+            lines.append(f"- trained on the rollout shards `{self._rel(self.layout.rollouts(t))}/` and the learner "
+                         f"inputs of iteration {t}")
         if self.flow_run_url:
             lines.append(f"- Prefect run: {self.flow_run_url}")
         return "\n".join(lines)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from hacrl import resources
 from hacrl.agents import pool, pretrained
-from hacrl.config.schema import Config, check
+from hacrl.config.build import CONF_DIR, build, read_yaml
+from hacrl.config.schema import AlgorithmConfig, Config, check
 from hacrl.exchange import experience
 from hacrl.rl import algorithms
 from hacrl.rollout.table import ENGINES
@@ -24,8 +25,6 @@ from hacrl.task import data as task_data
 from hacrl.task import rewards
 
 
-PRESETS = Path(__file__).resolve().parents[3] / "conf" / "algorithm"
-"""The algorithm presets (``conf/algorithm/NAME.yaml``) a label may name."""
 
 MAX_SAMPLES_PER_ITERATION = 10**7
 """One iteration's rollout table (every agent's samples, their token ids and log-probs) is held in
@@ -81,19 +80,16 @@ def _label(cfg: Config) -> None:
     """A label that names a preset (``algorithm.name=gspo``) must run that preset's algorithm: its
     estimator, loss, subscription and sample multiplier; a variant carries its own label."""
     a = cfg.algorithm
-    f = PRESETS / f"{a.name}.yaml"
+    f = CONF_DIR / "algorithm" / f"{a.name}.yaml"
     if not f.is_file():
         return
-    from hacrl.config.build import read_yaml
 
-    preset = read_yaml(f) or {}
-    runs = {"advantage": a.advantage.name, "loss": a.loss.name, "sample_multiplier": a.sample_multiplier,
-            "subscription": [(x.record_type, x.producers, x.content) for x in a.subscription]}
-    wants = {"advantage": (preset.get("advantage") or {}).get("name", "grpo"),
-             "loss": (preset.get("loss") or {}).get("name", "grpo"),
-             "sample_multiplier": preset.get("sample_multiplier", 1),
-             "subscription": [(x.get("record_type", "trajectory"), x.get("producers", "self"), x.get("content", "response"))
-                              for x in preset.get("subscription") or []] or runs["subscription"]}
+    def identity(x: AlgorithmConfig) -> dict:
+        name = lambda sec: sec["name"] if isinstance(sec, dict) else sec.name  # noqa: E731 - raw or built options
+        return {"advantage": name(x.advantage), "loss": name(x.loss), "sample_multiplier": x.sample_multiplier,
+                "subscription": [(s.record_type, s.producers, s.content) for s in x.subscription]}
+
+    runs, wants = identity(a), identity(build(AlgorithmConfig, read_yaml(f) or {}, "algorithm"))
     differ = [k for k in runs if runs[k] != wants[k]]
     check(not differ, "algorithm.name", a.name,
           f"the {a.name} preset runs {', '.join(f'{k} {wants[k]}' for k in differ)}, this config "

@@ -16,13 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hacrl.config.build import build, dump_yaml, read_yaml
+from hacrl.config.build import CONF_DIR, build, dump_yaml, read_yaml
 from hacrl.config.schema import AgentConfig, AlgorithmConfig, Config
 from hacrl.errors import ConfigError
 from hacrl.storage import atomic_write_text
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
-"""The project's Hydra config directory (presets); the project root is its parent."""
 
 GENERATED_KEYS = ("iterations", "agent_names", "external_inputs")
 """Keys of params.yaml derived from the config for dvc.yaml's templating (foreach, plots)."""

@@ -176,8 +176,12 @@ def update_to_weight(opt, partitioned: bool) -> float | None:
     inner = _inner_adamw(opt)
     if inner is None:
         return None
-    d2 = torch.zeros((), dtype=torch.float64)
-    w2 = torch.zeros((), dtype=torch.float64)
+    # both squared norms accumulate where the weights live: one host transfer per step, not one
+    # per piece (a GPU sync each), and the ranks' sum runs on the communication backend's device
+    first = next((p for g in inner.param_groups for p in g["params"]), None)
+    if first is None:
+        return None
+    acc = torch.zeros(2, dtype=torch.float64, device=first.device)  # every rank reduces, even one holding nothing
     for g in inner.param_groups:
         lr, wd, eps = g["lr"], g["weight_decay"], g["eps"]
         b1, b2 = g["betas"]
@@ -191,15 +195,14 @@ def update_to_weight(opt, partitioned: bool) -> float | None:
                                 st["exp_avg_sq"].reshape(-1).split(UPDATE_CHUNK)):
                 u = (m.float() / bc1) / (v.float().sqrt() / bc2 + eps)
                 prev = (th.float() + lr * u) / (1 - lr * wd)
-                d2 += (lr * u + lr * wd * prev).pow(2).sum(dtype=torch.float64).cpu()
-                w2 += prev.pow(2).sum(dtype=torch.float64).cpu()
+                acc[0] += (lr * u + lr * wd * prev).pow(2).sum(dtype=torch.float64)
+                acc[1] += prev.pow(2).sum(dtype=torch.float64)
     if partitioned:
         import torch.distributed as dist
 
-        both = torch.stack([d2, w2])
-        dist.all_reduce(both)
-        d2, w2 = both[0], both[1]
-    return float(d2.sqrt() / w2.sqrt()) if float(w2) > 0 else None
+        dist.all_reduce(acc)
+    d2, w2 = acc.tolist()
+    return (d2 ** 0.5) / (w2 ** 0.5) if w2 > 0 else None
 
 
 WORLD_FILE = "world.json"

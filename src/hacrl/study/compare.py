@@ -206,8 +206,11 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         return base_overrides + resolve(spec["all"][c], n_agents)
 
     own = {c: own_of(c) for c in chosen}
+    # a variant that changes one mechanism of a method takes the method's chosen setting (so the
+    # comparison changes that mechanism only); the method is swept even when not reported
+    parent = {c: tuned_as.get(c, c) for c in chosen}
+    swept = list(dict.fromkeys(parent.values()))
     if dry_run:
-        swept = list(dict.fromkeys(tuned_as.get(c, c) for c in chosen))
         for c in dict.fromkeys([*chosen, *swept]):  # a bad override fails here, before hours of runs
             for pt in points or [[]]:
                 _cfg(own_of(c) + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports")
@@ -229,10 +232,6 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     tuning = None
     if points:
         tseeds = [TUNE_SEED0 + i for i in range(tune_seeds)]
-        # a variant that changes one mechanism of a method takes the method's chosen setting (so
-        # the comparison changes that mechanism only); the method is swept even when not reported
-        parent = {c: tuned_as.get(c, c) for c in chosen}
-        swept = list(dict.fromkeys(parent.values()))
         tune_seconds = 0.0
         scores: dict[str, dict[str, float]] = {c: {} for c in swept}
         jobs = [(c, pt, s) for s in tseeds for c in swept for pt in points]
