@@ -1,6 +1,8 @@
 """The real `dvc repro` on a miniature config: a full run, a no-op rerun, an extension by one
 iteration, and a kill -9 in the middle of a stage followed by a resume at that stage."""
 
+import csv
+import io
 import json
 import os
 import re
@@ -57,6 +59,9 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
         for it in (1, 2):
             assert f"{s}@it{it}" in dag
     # iteration 2's rollouts depend on iteration 1's checkpoints
+    # README: dvc dag --mermaid
+    mermaid = _run(["dvc", "dag", "--mermaid"], repo).stdout
+    assert mermaid.startswith("flowchart") and max(map(len, mermaid.splitlines())) < 120
     edges = _run(["dvc", "dag", "--dot"], repo).stdout
     assert re.search(r'"update-policies@it1"\s*->\s*"generate-rollouts@it2"', edges), edges
 
@@ -67,6 +72,8 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     ran = _ran(first)
     assert ran[:4] == ["external-input@none", "prepare-data", "prepare-pool", "evaluate-warmup"]
     assert ran.index("generate-rollouts@it2") > ran.index("update-policies@it1")
+    # each iteration is evaluated before the next starts (its held-out figure exists as it ends)
+    assert ran.index("evaluate@it1") < ran.index("generate-rollouts@it2"), ran
     summary = read_json(repo / "reports" / "summary.json")
     assert summary["algorithm"] == "grpo"
     for name, a in summary["agents"].items():
@@ -79,15 +86,38 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     assert (repo / "dvc_plots" / "index.html").stat().st_size > 1000
     # README: dvc metrics show
     metrics = _run(["dvc", "metrics", "show"], repo).stdout
-    assert "runs/it2/eval_metrics.json" in metrics and "agents.gpt2-a.eval_accuracy" in metrics
+    final = read_json(repo / "reports" / "metrics.json")
+    assert "reports/metrics.json" in metrics and "eval_accuracy.gpt2-a" in metrics and final["iteration"] == 2
+    assert final["eval_accuracy"]["gpt2-a"] == round(summary["agents"]["gpt2-a"]["eval_accuracy"][-1], 4)
 
     second = _run(["dvc", "repro"], repo).stdout
     assert _ran(second) == [], second
 
+    # a committed run, then a change: DVC's comparison commands read the committed metrics from git
+    _run(["git", "add", "-A"], repo)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "2 iterations"], repo)
     _config(repo, "experiment.iterations=3")
     third = _run(["dvc", "repro"], repo).stdout
     assert sorted(_ran(third)) == sorted([f"{s}@it3" for s in STAGES] + ["report"]), third
     assert len(read_json(repo / "reports" / "summary.json")["agents"]["gpt2-a"]["eval_accuracy"]) == 4
+    # README: dvc metrics diff main
+    diff = _run(["dvc", "metrics", "diff", "HEAD"], repo).stdout
+    assert re.search(r"reports/metrics\.json\s+iteration\s+2\s+3\s+1", diff), diff
+    # README: dvc exp show --only-changed
+    wide = {**_env(), "COLUMNS": "250"}
+    shown = subprocess.run(["dvc", "exp", "show", "--no-pager", "--only-changed"], cwd=repo, env=wide,
+                           capture_output=True, text=True, check=True).stdout
+    assert "experiment.iterations" in shown and "iteration" in shown and "…" not in shown, shown
+    rows = list(csv.DictReader(io.StringIO(_run(["dvc", "exp", "show", "--csv"], repo).stdout)))
+    assert [r["rev"] for r in rows][0] == "workspace" and len(rows) == 2  # the workspace and the commit
+    now = read_json(repo / "reports" / "metrics.json")
+    assert float(rows[0]["eval_accuracy.gpt2-a"]) == now["eval_accuracy"]["gpt2-a"]
+    assert float(rows[1]["eval_accuracy.gpt2-a"]) == final["eval_accuracy"]["gpt2-a"]  # from git alone
+    assert (rows[0]["experiment.iterations"], rows[1]["experiment.iterations"]) == ("3", "2")
+    # the settings alone (the iteration table is dvc.vars.yaml's)
+    # README: dvc params diff params.yaml
+    pdiff = _run(["dvc", "params", "diff", "params.yaml"], repo).stdout
+    assert re.search(r"params\.yaml\s+experiment\.iterations\s+2\s+3", pdiff) and "iterations.it3" not in pdiff, pdiff
 
     # a trainer change makes the updates stale, not the rollouts that came before them
     _run(["git", "add", "-A"], repo)
@@ -118,15 +148,22 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     assert not list((repo / "runs" / ".tracking" / "queue").glob("*.json"))
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke").experiment_id
-    # one run per agent: its held-out accuracy is a line over iterations 0..3
+    # the README's click path, counted from the URL the project prints (the experiment's runs page)
+    clicks = 0
+    # one run per agent: its held-out accuracy is a line over iterations 0..3 (the runs page's chart)
     (agent,) = client.search_runs([exp], "tags.`hacrl.kind` = 'agent' and tags.`hacrl.agent` = 'gpt2-a'")
-    hist = {m.step: m.value for m in client.get_metric_history(agent.info.run_id, "eval_accuracy")}
+    hist = {m.step: m.value for m in client.get_metric_history(agent.info.run_id, "eval/accuracy")}
     assert sorted(hist) == [0, 1, 2, 3] and all(0 <= v <= 1 for v in hist.values())
-    assert {"reward_mean", "train_entropy", "train_clip_frac", "rollout_tokens_per_s"} <= set(agent.data.metrics)
-    assert "train_kl_to_init" not in agent.data.metrics  # no reference model (kl_coef 0): not computed, not 0
-    # the point at step 3 -> the logged model of iteration 3's checkpoint, linked to the held-out set
+    assert {"rollout/reward_mean", "train/entropy", "train/clip_frac", "rollout/tokens_per_s"} <= set(agent.data.metrics)
+    assert "train/kl_to_init" not in agent.data.metrics  # no reference model (kl_coef 0): not computed, not 0
+    # the point at step 3 -> the logged model of iteration 3's checkpoint, linked to the held-out set:
+    # the Models tab (click 1), its row gpt2-a-it3 (click 2)
+    clicks += 2
     (model,) = client.search_logged_models([exp], filter_string="name = 'gpt2-a-it3'")
-    (point,) = [m for m in model.metrics if m.key == "eval_accuracy"]
+    # its page shows the description (MLflow 3's model page shows no tags): checkpoint path, DVC hash
+    note = model.tags["mlflow.note.content"]
+    assert "runs/it3/checkpoints/gpt2-a" in note and dvc_hash(repo / "runs/it3/checkpoints/gpt2-a") in note
+    (point,) = [m for m in model.metrics if m.key == "eval/accuracy"]
     assert (point.step, point.value, point.dataset_name) == (3, hist[3], "heldout")
     ckpt_dir = "runs/it3/checkpoints"
     assert model.tags["hacrl.checkpoint"] == f"{ckpt_dir}/gpt2-a"
@@ -137,7 +174,8 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     # -> the config it was trained with (the model's params)
     assert model.params["algorithm.name"] == "grpo" and model.params["rollout.group_size"] == "4"
     assert model.params["agents.0.name"] == "gpt2-a"
-    # -> its source run, iteration 3, whose inputs are the shards it trained on (DVC's hashes)
+    # -> its source run, iteration 3, whose inputs are the shards it trained on (DVC's hashes): click 3
+    clicks += 1
     src = client.get_run(model.source_run_id)
     assert src.info.run_name == "it3" and src.info.status == "FINISHED"
     digests = {d.dataset.name: d.dataset.digest for d in src.inputs.dataset_inputs}
@@ -147,6 +185,7 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     for name in ("gpt2-a", "llama-b"):
         assert digests[f"rollouts/it3/{name}"] == dvc_files[f"{name}.parquet"]
     assert digests.keys() >= {"rewards/it3/gpt2-a", "exchange/it3/learner-gpt2-a", "heldout"}
+    assert clicks <= 4  # accuracy point -> checkpoint and config (2) -> rollout shards (3)
     # 1 experiment run, iterations 0..3, 2 agents: 7 runs, not one per stage
     assert len(client.search_runs([exp])) == 7
 
@@ -167,6 +206,31 @@ def test_a_damaged_checkpoint_is_refused_by_the_stage_that_reads_it_and_checkout
     _run(["dvc", "checkout", "--force", "runs/it3/checkpoints"], repo)
     assert ck.read_bytes() == original
     assert _ran(_run(["dvc", "repro", "--single-item", "evaluate@it3"], repo).stdout) == []  # up to date again
+
+
+def test_an_edited_lock_that_gives_an_iteration_another_iterations_rollouts_is_refused(repo):
+    """Issue 29 (2), with the real DVC: dvc.lock edited to give generate-rollouts@it3's output the
+    hash of runs/it2/rollouts; `dvc checkout` puts iteration 2's shards in runs/it3/rollouts and
+    the lock's hash check passes, but the stage that reads them refuses (their manifest says what
+    they are); the committed lock and a checkout restore everything."""
+    import yaml
+
+    text = (repo / "dvc.lock").read_text()
+    lock = yaml.safe_load(text)
+    two = lock["stages"]["generate-rollouts@it2"]["outs"][0]
+    lock["stages"]["generate-rollouts@it3"]["outs"][0].update({k: two[k] for k in ("md5", "size", "nfiles") if k in two})
+    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    _run(["dvc", "checkout", "--force", "runs/it3/rollouts"], repo)
+    assert json.loads((repo / "runs/it3/rollouts/_artifact.json").read_text())["artifact"] == "runs/it2/rollouts"
+    edited = (repo / "dvc.lock").read_text()
+    p = _run(["dvc", "repro", "--single-item", "verify-rewards@it3"], repo, check=False)
+    assert p.returncode != 0
+    assert ("hacrl: error: runs/it3/rollouts: holds runs/it2/rollouts (written by generate-rollouts@it2), not "
+            "generate-rollouts@it3's runs/it3/rollouts") in p.stdout + p.stderr, p.stdout + p.stderr
+    assert (repo / "dvc.lock").read_text() == edited  # nothing recorded on the swapped shards
+    (repo / "dvc.lock").write_text(text)
+    _run(["dvc", "checkout", "--force", "runs/it3/rollouts"], repo)
+    assert _ran(_run(["dvc", "repro", "--single-item", "verify-rewards@it3"], repo).stdout) == []
 
 
 def test_kill_9_in_the_middle_of_a_stage_resumes_at_that_stage(repo):
@@ -209,7 +273,7 @@ def test_a_fresh_workspace_elsewhere_reproduces_the_committed_lock_for_the_data(
 
     from conftest import ROOT
 
-    ws = dvc_workspace(tmp_path / "elsewhere with space", ("dvc.yaml", "dvc.lock", "params.yaml", "conf", "src",
+    ws = dvc_workspace(tmp_path / "elsewhere with space", ("dvc.yaml", "dvc.lock", "params.yaml", "dvc.vars.yaml", "conf", "src",
                                                             ".gitignore", ".dvcignore"))
     _run(["dvc", "repro", "prepare-data"], ws)  # and the external-input stage before it
     mine = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["prepare-data"]

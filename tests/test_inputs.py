@@ -13,6 +13,7 @@ import yaml
 from hacrl.hashes import dvc_hash, file_md5
 from hacrl.ops.inputs import DamagedInput, verify
 from hacrl.pipeline.table import dvc_stage_id
+from hacrl.storage import MANIFEST, manifest_of
 
 DVC_YAML = {"stages": {
     "prepare-data": {"cmd": "x", "outs": ["data/tasks"]},
@@ -24,6 +25,12 @@ DVC_YAML = {"stages": {
 }}
 
 
+def _manifest(path: Path, rel: str, stage: str) -> None:
+    it = int(rel.split("/")[1][2:]) if rel.startswith("runs/") else None
+    doc = manifest_of(path, {"artifact": rel, "stage": stage, "iteration": it})
+    (path / MANIFEST).write_text(json.dumps(doc))
+
+
 def _workspace(tmp_path: Path) -> Path:
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML))
     files = {"data/tasks/train.jsonl": "{}\n", "runs/it1/checkpoints/a/model.safetensors": "weights",
@@ -31,6 +38,9 @@ def _workspace(tmp_path: Path) -> Path:
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
+    for rel, stage in (("data/tasks", "prepare-data"), ("runs/it1/checkpoints", "update-policies@it1"),
+                       ("runs/it2/rollouts", "generate-rollouts@it2")):  # as each stage leaves its directory
+        _manifest(tmp_path / rel, rel, stage)
     lock = {"schema": "2.0", "stages": {
         "prepare-data": {"outs": [{"path": "data/tasks", "md5": dvc_hash(tmp_path / "data/tasks")}]},
         "update-policies@it1": {"outs": [{"path": "runs/it1/checkpoints", "md5": dvc_hash(tmp_path / "runs/it1/checkpoints")}]},
@@ -64,6 +74,55 @@ def test_a_damaged_checkpoint_is_named_before_the_stage_reads_it(tmp_path):
     (ws / "runs/it1/checkpoints/a/extra.bin").write_text("planted")
     with pytest.raises(DamagedInput, match="extra.bin \\(not written by it\\): not what update-policies@it1 wrote"):
         verify(ws, "generate-rollouts@it2")
+
+
+def _record(ws: Path, stage: str, rel: str) -> None:
+    """Record ``rel``'s current content as ``stage``'s output in dvc.lock (what an edit of the lock does)."""
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())
+    lock["stages"][stage] = {"outs": [{"path": rel, "md5": dvc_hash(ws / rel)}]}
+    (ws / "dvc.lock").write_text(yaml.safe_dump(lock))
+
+
+def test_an_artifact_says_what_it_is_and_a_consumer_checks_it(tmp_path):
+    """Issue 29 (2): the lock's hash says the content is what some stage wrote, the manifest says
+    which artifact. An input whose producer has no lock entry, another iteration's artifact
+    recorded under this name, a directory without a manifest, a file the manifest does not list:
+    each one line naming the input, the producer and the way back."""
+    import shutil
+
+    ws = _workspace(tmp_path)
+    with pytest.raises(DamagedInput) as e:  # written outside DVC: nothing says what it is
+        verify(ws, "update-policies@it2")
+    assert str(e.value) == ("runs/it2/rollouts: dvc.lock has no record of generate-rollouts@it2 writing it (it ran "
+                            "outside DVC, or its entry was removed): `dvc commit generate-rollouts@it2` adopts what is "
+                            "there, `dvc repro generate-rollouts@it2` writes it again")
+    _record(ws, "generate-rollouts@it2", "runs/it2/rollouts")
+    assert verify(ws, "update-policies@it2") == ["runs/it2/rollouts"]
+    # iteration 1's rollouts checked out as iteration 2's, the lock edited to match: same hash class, other artifact
+    it1 = ws / "runs/it1/rollouts"
+    it1.mkdir(parents=True)
+    (it1 / "a.parquet").write_text("older rows")
+    _manifest(it1, "runs/it1/rollouts", "generate-rollouts@it1")
+    shutil.rmtree(ws / "runs/it2/rollouts")
+    shutil.copytree(it1, ws / "runs/it2/rollouts")
+    _record(ws, "generate-rollouts@it2", "runs/it2/rollouts")
+    with pytest.raises(DamagedInput, match=r"^runs/it2/rollouts: holds runs/it1/rollouts \(written by "
+                                           r"generate-rollouts@it1\), not generate-rollouts@it2's runs/it2/rollouts: "
+                                           r"dvc.lock records another artifact's content under this name"):
+        verify(ws, "update-policies@it2")
+    # a directory with no manifest (by hand, or an older hacrl)
+    (ws / "runs/it2/rollouts" / MANIFEST).unlink()
+    _record(ws, "generate-rollouts@it2", "runs/it2/rollouts")
+    with pytest.raises(DamagedInput, match=r"^runs/it2/rollouts: no _artifact.json inside: not an artifact a stage "
+                                           r"finished .*`dvc repro --force generate-rollouts@it2` writes it again$"):
+        verify(ws, "update-policies@it2")
+    # its own manifest, and a file it does not list (planted, the lock re-recorded around it)
+    _manifest(ws / "runs/it2/rollouts", "runs/it2/rollouts", "generate-rollouts@it2")
+    (ws / "runs/it2/rollouts/b.parquet").write_text("planted")
+    _record(ws, "generate-rollouts@it2", "runs/it2/rollouts")
+    with pytest.raises(DamagedInput, match=r"rollouts/b.parquet: not as generate-rollouts@it2 wrote it \(its "
+                                           r"_artifact.json lists other files or sizes\)"):
+        verify(ws, "update-policies@it2")
 
 
 def test_a_broken_dvc_lock_is_one_line_naming_it(tmp_path):
@@ -120,7 +179,7 @@ def test_inputs_outside_the_repository_are_listed_and_stamped_by_content(tmp_pat
     assert stamp(tmp_path, "agent-llama-mid").read_text() == first  # same content, same stamp
     (model / "config.json").write_text('{"n_layer": 2}')
     assert stamp(tmp_path, "agent-llama-mid").read_text() != first
-    with pytest.raises(Exception, match="external input 'agent-x': not in params.yaml"):
+    with pytest.raises(Exception, match="external input 'agent-x': not in dvc.vars.yaml"):
         stamp(tmp_path, "agent-x")
 
 

@@ -48,11 +48,11 @@ print("ok")
     exp = client.get_experiment_by_name(cfg.experiment.name)
     (r,) = client.search_runs([exp.experiment_id], "tags.`hacrl.kind` = 'iteration'")
     assert r.data.metrics["wall_s/compute-capability-stats"] == 1.5
-    assert r.data.metrics["compute-capability-stats/pooled/n"] == 3
+    assert r.data.metrics["stage/compute-capability-stats/pooled/n"] == 3
     # the stage's own times, not the flusher's; the iteration goes on after this stage
     assert r.info.start_time == 1000_000 and r.info.status == "RUNNING"
     (a,) = client.search_runs([exp.experiment_id], "tags.`hacrl.kind` = 'agent'")
-    assert a.info.run_name == "gpt2-a" and a.data.metrics["p_hat"] == 0.25
+    assert a.info.run_name == "gpt2-a" and a.data.metrics["sharing/p_hat"] == 0.25
 
 
 def test_a_refused_record_is_set_aside_and_the_rest_are_logged(tmp_path):

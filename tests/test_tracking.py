@@ -90,15 +90,39 @@ def test_each_agent_is_one_run_with_its_series_at_steps_0_to_T(tracked):
     for r in runs:
         a = r.data.tags["hacrl.agent"]
         assert "mlflow.parentRunId" not in r.data.tags  # top level: every chart shows it
-        hist = c.get_metric_history(r.info.run_id, "eval_accuracy")
+        hist = c.get_metric_history(r.info.run_id, "eval/accuracy")
         assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(t, x[a]) for t, x in enumerate(accs)]
-        assert [m.step for m in c.get_metric_history(r.info.run_id, "train_entropy")] == [1, 2]
+        assert [m.step for m in c.get_metric_history(r.info.run_id, "train/entropy")] == [1, 2]
         # per-update figures at the learner's update count, the undefined one left out
-        loss = sorted((m.step, m.value) for m in c.get_metric_history(r.info.run_id, "train_update_loss"))
+        loss = sorted((m.step, m.value) for m in c.get_metric_history(r.info.run_id, "train/per_update/loss"))
         assert loss == [(0, 0.5), (2, 0.25), (3, 0.125), (4, 0.5), (6, 0.25), (7, 0.125)]
         assert r.data.params["name"] == a and r.info.status == "FINISHED"
     # 1 experiment run + 3 iteration runs + 2 agent runs, whatever the number of stages
     assert len(c.search_runs([tr.experiment_id])) == 6
+
+
+def test_mlflow_lists_held_out_accuracy_first(tracked):
+    """Issue 28 (3): MLflow's chart view makes a section of each name's part before its last '/',
+    lists the sections by name before the unprefixed ones ("Model metrics") and sorts charts by
+    name in a section (its runs-charts.types.ts). Every figure logged here has a section, and
+    the first section's first chart is the held-out accuracy."""
+    from hacrl.ops.tracking import chart_key
+
+    tr = tracked[3]
+    c = tr.client
+    keys = {k for r in c.search_runs([tr.experiment_id]) for k in r.data.metrics}
+    assert "eval/accuracy" in keys and all("/" in k for k in keys), sorted(keys)
+    sections = sorted({k.rsplit("/", 1)[0] for k in keys})
+    assert sections[0] == "eval" and sorted(k for k in keys if k.startswith("eval/"))[0] == "eval/accuracy"
+    # the names the stages give, whatever they are
+    assert [chart_key(k) for k in ("eval_accuracy", "by_level/add", "train_update_loss", "train_entropy",
+                                   "reward_mean", "verdict_timeout", "thl_from/a/straddle", "omega/a", "p_hat",
+                                   "params", "wall_s/report", "warmup/steps", "rescued_now_accuracy")] == [
+        "eval/accuracy", "eval/by_level/add", "train/per_update/loss", "train/entropy", "rollout/reward_mean",
+        "rollout/verdict/timeout", "exchange/thl_from/a/straddle", "sharing/omega/a", "sharing/p_hat",
+        "pool/params", "wall_s/report", "warmup/steps", "other/rescued_now_accuracy"]
+    # any other name, a new figure's, lands in a section after eval
+    assert all(chart_key(k).rsplit("/", 1)[0] > "eval" for k in ("zzz", "a_b", "aaa/b", "learner_cross", "train_x"))
 
 
 def test_iteration_runs_nest_in_the_experiment_run_with_stage_times_and_inputs(tracked):
@@ -110,7 +134,7 @@ def test_iteration_runs_nest_in_the_experiment_run_with_stage_times_and_inputs(t
     it2 = c.get_run(doc["iterations"]["2"])
     assert it2.data.tags["mlflow.parentRunId"] == exp.info.run_id and it2.info.run_name == "it2"
     assert it2.data.metrics["wall_s/update-policies"] == 3.0
-    assert it2.data.metrics["verify-rewards/fast_path_verdicts"] == 7
+    assert it2.data.metrics["stage/verify-rewards/fast_path_verdicts"] == 7
     # the stages' own times: from the first stage's start to evaluate's end
     assert (it2.info.start_time, it2.info.end_time) == (3_000_000, 3_005_500)
     digests = {d.dataset.name: d.dataset.digest for d in it2.inputs.dataset_inputs}
@@ -130,17 +154,17 @@ def test_iteration_runs_nest_in_the_experiment_run_with_stage_times_and_inputs(t
 def test_every_checkpoint_is_a_logged_model_ranked_by_its_linked_heldout_accuracy(tracked):
     tmp_path, cfg, lay, tr, accs = tracked
     c = tr.client
-    models = c.search_logged_models([tr.experiment_id], order_by=[{"field_name": "metrics.eval_accuracy",
+    models = c.search_logged_models([tr.experiment_id], order_by=[{"field_name": "metrics.eval/accuracy",
                                                                    "ascending": False}])
     assert len(models) == 6  # 2 agents x iterations 0..2
     best = models[0]
     assert best.name == "gpt2-a-it2" and best.tags["hacrl.checkpoint"] == "runs/it2/checkpoints/gpt2-a"
     assert best.tags["hacrl.dvc_hash"] == dvc_hash(lay.checkpoint(2, "gpt2-a"))
     assert best.tags["mlflow.model.isExternal"] == "true" and best.params["algorithm.name"] == "grpo"
-    (m,) = [m for m in best.metrics if m.key == "eval_accuracy"]
+    (m,) = [m for m in best.metrics if m.key == "eval/accuracy"]
     assert (m.value, m.step, m.dataset_name) == (0.5, 2, "heldout")
     # a figure on other data (SGT's rescued training prompts) goes with the model, not the held-out set
-    (r,) = [m for m in best.metrics if m.key == "rescued_now_accuracy"]
+    (r,) = [m for m in best.metrics if m.key == "other/rescued_now_accuracy"]
     assert r.dataset_name is None
     assert m.dataset_digest == dvc_hash(lay.tasks / "heldout.jsonl")
     # two clicks: the model's source run is its iteration, whose inputs are the shards it learnt from

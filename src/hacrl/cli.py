@@ -56,11 +56,16 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"hacrl: kept experiment.iterations={kept} from {out} (the experiment was extended; "
               f"pass experiment.iterations=N to set it)", file=sys.stderr)
     if args.check:
-        import yaml
+        from hacrl.errors import ConfigError
+        from hacrl.pipeline.params import read_with_vars, vars_path
 
-        current = yaml.safe_load(out.read_text()) if out.exists() else None
+        try:
+            current = read_with_vars(out) if out.exists() else None
+        except ConfigError:
+            current = None
         if current != data:
-            print(f"hacrl: {out} differs from the composition of conf/ (run `hacrl config`)", file=sys.stderr)
+            print(f"hacrl: {out} or {vars_path(out).name} differs from the composition of conf/ (run `hacrl config`)",
+                  file=sys.stderr)
             return 1
         return 0
     write_params(data, out)

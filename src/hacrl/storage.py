@@ -50,13 +50,31 @@ def _replace(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+MANIFEST = "_artifact.json"
+"""Inside every output directory of a stage: what the directory is (its path in the project, the
+``dvc.yaml`` stage that wrote it, the iteration) and the files it holds with their sizes, written
+with it (before the rename). A consumer checks it against the dependency it reads
+(:func:`hacrl.ops.inputs.verify`): ``dvc.lock``'s hash says the content is what *some* stage
+wrote, the manifest says which artifact it is."""
+
+
+def manifest_of(root: Path, identity: dict) -> dict:
+    """The manifest of directory ``root``: ``identity`` and ``files`` (relative path -> size)."""
+    files = {f.relative_to(root).as_posix(): f.stat().st_size for f in sorted(root.rglob("*"))
+             if f.is_file() and f.relative_to(root).as_posix() != MANIFEST}
+    return {**identity, "files": files}
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, is_dir: bool = False) -> Iterator[Path]:
-    """Yield a temporary path; on success it replaces ``path``, on error it is removed."""
+def atomic_path(path: str | os.PathLike, is_dir: bool = False, identity: dict | None = None) -> Iterator[Path]:
+    """Yield a temporary path; on success it replaces ``path``, on error it is removed.
+    ``identity`` (a directory's): written into it as its :data:`MANIFEST` before the rename."""
     final = Path(path)
     tmp = _tmp_sibling(final, is_dir)
     try:
         yield tmp
+        if is_dir and identity is not None:
+            (tmp / MANIFEST).write_text(json.dumps(manifest_of(tmp, identity), indent=1) + "\n")
         if is_dir:
             os.chmod(tmp, 0o755)  # mkdtemp makes 0700 directories
         else:
@@ -206,3 +224,9 @@ class RunLayout:
 
     def history(self, t: int) -> Path:
         return self.it(t) / "history.json"
+
+    def evaluated(self, t: int) -> Path:
+        """A constant stamp evaluate writes for iteration ``t``: the next iteration's rollouts
+        depend on it, so that ``dvc repro`` evaluates each iteration before starting the next,
+        while a change to the evaluation (its settings, its figures) leaves them up to date."""
+        return self.it(t) / "evaluated.json"

@@ -1,5 +1,7 @@
-"""A stage's inputs are checked before it reads them: each artifact another stage wrote must be
-what that stage wrote, by the hash DVC recorded for it (``dvc.lock``), and must exist.
+"""A stage's inputs are checked before it reads them: each artifact another stage wrote must
+exist, be what that stage wrote, by the hash DVC recorded for it (``dvc.lock``), and, for a
+directory, say so itself: its manifest (``_artifact.json``) names the artifact and the stage
+that wrote it, so that a lock edited to give one artifact another's content is caught.
 
 ``dvc repro`` alone would not catch a damaged input: a consumer stage run on its own (``dvc
 repro --single-item``, a Prefect task, ``hacrl stage``) sees a changed dependency, runs on it
@@ -146,15 +148,48 @@ def verify(project: str | os.PathLike, stage_id: str) -> list[str]:
         if not path.exists():
             raise DamagedInput(f"{dep}: missing; {producer} writes it (`dvc repro {producer}`)")
         if dep not in recorded:
-            continue  # written outside DVC (no record to compare with)
+            # written outside DVC (`hacrl stage`, a killed run) or its record was removed: nothing
+            # says what it is, so nothing reads it
+            raise DamagedInput(f"{dep}: dvc.lock has no record of {producer} writing it (it ran outside DVC, or "
+                               f"its entry was removed): `dvc commit {producer}` adopts what is there, "
+                               f"`dvc repro {producer}` writes it again")
         md5 = recorded[dep][0]
         if md5 and _hash(project, path) != md5:
             what = _differing_file(project, path, md5) if path.is_dir() else dep
             raise DamagedInput(f"{what}: not what {producer} wrote (dvc.lock has another hash): damaged or "
                                f"edited; `dvc checkout --force {dep}` restores it from the cache, `dvc repro {producer}` "
                                f"writes it again")
+        if path.is_dir():
+            check_manifest(path, dep, producer)
         checked.append(dep)
     return checked
+
+
+def check_manifest(path: Path, dep: str, producer: str) -> None:
+    """Directory ``path`` (``dep`` in dvc.yaml) must say it is ``producer``'s output ``dep`` and
+    hold the files it lists: ``dvc.lock``'s hash alone would accept another artifact's content
+    recorded under this name (an edited lock: iteration 5's rollouts checked out as iteration 6's)."""
+    from hacrl.storage import MANIFEST, manifest_of
+
+    man = path / MANIFEST
+    fix = f"`dvc repro --force {producer}` writes it again"
+    try:
+        doc = json.loads(man.read_text())
+    except FileNotFoundError:
+        raise DamagedInput(f"{dep}: no {MANIFEST} inside: not an artifact a stage finished (written by hand, or "
+                           f"by a hacrl before manifests); {fix}") from None
+    except (OSError, ValueError) as e:
+        raise DamagedInput(f"{dep}/{MANIFEST}: unreadable ({e}); {fix}") from None
+    said = (doc.get("artifact"), doc.get("stage")) if isinstance(doc, dict) else (None, None)
+    if said != (dep, producer):
+        raise DamagedInput(f"{dep}: holds {said[0]} (written by {said[1]}), not {producer}'s {dep}: dvc.lock "
+                           f"records another artifact's content under this name (edited?); `git checkout dvc.lock` "
+                           f"and `dvc checkout {dep}` restore the committed one, {fix}")
+    have = manifest_of(path, {})["files"]
+    if have != doc.get("files"):
+        diff = sorted(set(have.items()) ^ set((doc.get("files") or {}).items()))
+        raise DamagedInput(f"{path / diff[0][0]}: not as {producer} wrote it (its {MANIFEST} lists other files or "
+                           f"sizes); {fix}")
 
 
 EXTERNAL_DIR = "data/external"
@@ -166,16 +201,16 @@ def stamp(project: str | os.PathLike, key: str, params: str | os.PathLike = "par
     hash of the input (a file's md5, a directory's DVC tree hash), so that the stages reading it
     (prepare-data, prepare-pool) are stale exactly when its content changed. The placeholder
     entry (nothing external) gets a constant stamp."""
-    from hacrl.config.build import read_yaml
     from hacrl.errors import ConfigError
     from hacrl.hashes import dvc_hash
+    from hacrl.pipeline.params import read_with_vars, vars_path
     from hacrl.storage import atomic_write_text
 
     project = Path(project)
-    entries = (read_yaml(project / params) or {}).get("external_inputs") or {}
+    entries = read_with_vars(project / params).get("external_inputs") or {}
     if key not in entries:
-        raise ConfigError(f"external input {key!r}: not in params.yaml (has: {', '.join(entries) or 'none'}); "
-                          f"run `hacrl config`")
+        raise ConfigError(f"external input {key!r}: not in {vars_path(params).name} (has: "
+                          f"{', '.join(entries) or 'none'}); run `hacrl config`")
     path = Path(entries[key]["path"])
     path = path if path.is_absolute() else project / path
     if key == "none":

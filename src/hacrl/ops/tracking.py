@@ -6,11 +6,12 @@ Structure, in one MLflow experiment per ``experiment.name``::
     │                          artifacts: the reports; resumed by id, a new one when the config
     │                          changes what the results are)
     ├── it{t}                  one nested run per iteration: each stage's wall time (``wall_s/STAGE``)
-    │                          and stage-wide figures at step t; inputs: the files the stages read
+    │                          and stage-wide figures at step t (``stage/STAGE/...``); inputs: the files the stages read
     │                          (digest = their DVC md5), the checkpoints it started from; outputs:
     │                          the checkpoints it wrote
     {agent}                    one run per agent, across iterations: every figure of the agent at
-                               step t (held-out accuracy, reward, entropy, KL, clip fractions...),
+                               step t (``eval/accuracy`` first, then reward, entropy, KL, clip
+                               fractions... under ``train/``; names: :func:`chart_key`),
                                per-update figures at the learner's update count
 
 Each checkpoint (iteration 0's pool and every update) is an external MLflow logged model
@@ -53,6 +54,33 @@ FLOW_RUN_ENV = "HACRL_PREFECT_FLOW_RUN_ID"
 def sanitize(name: str) -> str:
     """A metric/param name MLflow accepts (alphanumerics and ``_ - . / space``)."""
     return _BAD_METRIC_CHARS.sub("_", name)
+
+
+_RENAMES = (  # (old prefix, new prefix), first match wins: see chart_key
+    ("eval_", "eval/"), ("by_level/", "eval/by_level/"),
+    ("train_update_", "train/per_update/"), ("train_", "train/"),
+    ("rollout_", "rollout/"), ("reward_mean", "rollout/reward_mean"), ("verdict_", "rollout/verdict/"),
+    ("learner_", "exchange/learner_"), ("round_trip_mismatch", "exchange/round_trip_mismatch"),
+    ("thl_from/", "exchange/thl_from/"), ("p_hat", "sharing/p_hat"), ("omega/", "sharing/omega/"),
+    ("params", "pool/params"), ("vocab", "pool/vocab"),
+)
+_SECTIONS_KEPT = ("stage/", "wall_s/", "warmup/")
+
+
+def chart_key(key: str) -> str:
+    """The name a figure goes to MLflow under (``eval_accuracy`` -> ``eval/accuracy``).
+
+    MLflow's chart view makes a section of every name's part before its last ``/``, lists those
+    sections by name before the unprefixed "Model metrics", and sorts charts by name inside a
+    section. So the held-out figures go in ``eval`` (``eval/accuracy`` first), the name that sorts
+    before every other section here; training figures in ``train`` (per update:
+    ``train/per_update``); generation and verdicts in ``rollout``; the exchange's in ``exchange``;
+    HACPO's capability in ``sharing``; the pool's size in ``pool``; stage figures in ``stage/STAGE``
+    and wall times in ``wall_s``; any other figure under ``other``."""
+    for old, new in _RENAMES:
+        if key == old or (old.endswith(("_", "/")) and key.startswith(old)):
+            return new + key[len(old):]
+    return key if key.startswith(_SECTIONS_KEPT) else f"other/{key}"
 
 
 def experiment_id(client, cfg: Config, project_dir: Path) -> str:
@@ -397,7 +425,8 @@ class Tracker:
 
         now = when_ms or int(time.time() * 1000)
         name, digest = dataset or (None, None)
-        ms = [Metric(sanitize(k), float(v), now, step, model_id=model_id, dataset_name=name, dataset_digest=digest)
+        ms = [Metric(sanitize(chart_key(k)), float(v), now, step, model_id=model_id, dataset_name=name,
+                     dataset_digest=digest)
               for k, v in values.items() if math.isfinite(float(v))]
         for i in range(0, len(ms), 500):
             self.client.log_batch(run_id, metrics=ms[i:i + 500])
@@ -471,7 +500,7 @@ class Tracker:
         if error is not None:
             self._fail_or_finish(it_run, stage, error, end_ms)
             return it_run
-        self._metrics(it_run, {f"{stage}/{k}": v for k, v in res.metrics.items()}, t, end_ms)
+        self._metrics(it_run, {f"stage/{stage}/{k}": v for k, v in res.metrics.items()}, t, end_ms)
         self._inputs(it_run, res.inputs)
         self._log_checkpoints(it_run, t, res.checkpoints, stage)
         dataset = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hacrl.config.schema import Config
 from hacrl.resources import ResourcePlan, plan_for
@@ -13,6 +14,24 @@ from hacrl.task import data as task_data
 def layout(cfg: Config) -> RunLayout:
     """Where the experiment's artifacts live (``experiment.runs_dir``)."""
     return RunLayout(cfg.experiment.runs_dir)
+
+
+def artifact(cfg: Config, path: Path, stage: str, t: int | None = None) -> dict:
+    """What an output directory of stage ``stage`` (iteration ``t``) says it is (its manifest,
+    :data:`hacrl.storage.MANIFEST`): its path as ``dvc.yaml`` names it (``runs/it6/rollouts``,
+    whatever directory the runs live in) and the ``dvc.yaml`` stage that writes it."""
+    from hacrl.pipeline.table import dvc_stage_id
+
+    lay = layout(cfg)
+    for root in (lay.runs, lay.data):
+        try:
+            rel = Path(root.name) / Path(path).relative_to(root)
+            break
+        except ValueError:
+            continue
+    else:
+        rel = Path(path)
+    return {"artifact": rel.as_posix(), "stage": dvc_stage_id(stage, t or 0), "iteration": t}
 
 
 def set_threads(cfg: Config) -> None:

@@ -102,6 +102,7 @@ def evaluate(cfg: Config, t: int) -> StageResult:
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
     write_json(lay.eval_metrics(t), headline_metrics(metrics))
     write_json(lay.history(t), history)
+    write_json(lay.evaluated(t), {"evaluated": t})  # constant: what follows waits, never goes stale
     # the held-out figures go with the checkpoint and the held-out set; training figures the
     # update already logged (entropy, KL, reward) are not logged twice
     held_out = ("eval_accuracy", "eval_stderr", "eval_n", "by_level")

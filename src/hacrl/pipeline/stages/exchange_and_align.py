@@ -10,7 +10,7 @@ from hacrl.agents.pool import load_tokenizer, prompt_template
 from hacrl.config.schema import Config
 from hacrl.exchange import thl
 from hacrl.exchange.experience import LearnerView, pair_residuals, publish, read_records, subscribe, write_records
-from hacrl.pipeline.common import layout
+from hacrl.pipeline.common import artifact, layout
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.storage import atomic_path, write_json
 from hacrl.task.data import target_text
@@ -36,7 +36,8 @@ def exchange_and_align(cfg: Config, t: int) -> StageResult:
         return target_text({"id": rec.prompt_id, "problem": rec.problem, "answer": rec.gold, "level": rec.level},
                            cfg.data.completion)
 
-    with atomic_path(lay.exchange(t), is_dir=True) as tmp:
+    with atomic_path(lay.exchange(t), is_dir=True,
+                     identity=artifact(cfg, lay.exchange(t), "exchange-and-align", t)) as tmp:
         def out_of(final: Path) -> Path:  # the same place under the temporary directory
             out = tmp / final.relative_to(lay.exchange(t))
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from hacrl.agents.pool import load_agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import rollout_records, write_records
-from hacrl.pipeline.common import compact, hash_seed, layout, resource_plan, set_threads, split
+from hacrl.pipeline.common import artifact, compact, hash_seed, layout, resource_plan, set_threads, split
 from hacrl.pipeline.engines import LOADING, SERIAL, open_engine, place, release_engine
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.resources import job_threads, run_stage
@@ -40,7 +40,8 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
     # resolved here, before the jobs' threads: transformers' lazy attributes are not thread-safe
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    with atomic_path(lay.rollouts(t), is_dir=True) as tmp:
+    with atomic_path(lay.rollouts(t), is_dir=True,
+                     identity=artifact(cfg, lay.rollouts(t), "generate-rollouts", t)) as tmp:
         def job(j) -> dict:
             ac = cfg.agent(j.agent)
             t0 = time.time()

@@ -7,7 +7,7 @@ import random
 
 from hacrl.config.schema import Config
 from hacrl.errors import DataError
-from hacrl.pipeline.common import layout
+from hacrl.pipeline.common import artifact, layout
 from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.storage import atomic_path, write_json
 from hacrl.task import data as task_data
@@ -53,7 +53,7 @@ def prepare_data(cfg: Config) -> StageResult:
         if not splits["heldout"]:
             raise DataError(f"{d.heldout_path}: every held-out problem is also a training problem")
     out = layout(cfg).tasks
-    with atomic_path(out, is_dir=True) as tmp:
+    with atomic_path(out, is_dir=True, identity=artifact(cfg, out, "prepare-data")) as tmp:
         for name, probs in splits.items():
             task_data.write_jsonl(tmp / f"{name}.jsonl", probs)
         manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,

@@ -10,7 +10,7 @@ from hacrl.agents.pool import Agent, build_model, load_agent, save_agent, train_
 from hacrl.agents.pretrained import FETCHERS
 from hacrl.agents.warmup import warm_up
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import compact, layout, set_threads, split
+from hacrl.pipeline.common import artifact, compact, layout, set_threads, split
 from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.storage import atomic_path, without_timings, write_json
 from hacrl.task import data as task_data
@@ -30,7 +30,7 @@ def prepare_pool(cfg: Config) -> StageResult:
     splits = {s: split(cfg, s) for s in ("train", "dev")}
     records = {}
     ckpts = lay.checkpoints(0)
-    with atomic_path(ckpts, is_dir=True) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver:
+    with atomic_path(ckpts, is_dir=True, identity=artifact(cfg, ckpts, "prepare-pool", 0)) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver:
         for ac in cfg.agents:
             t0 = time.time()
             if ac.path is not None:
@@ -70,7 +70,8 @@ def prepare_pool(cfg: Config) -> StageResult:
             rec["seconds"] = round(time.time() - t0, 1)
             records[ac.name] = rec
             log.info("agent %s: %s", ac.name, compact(rec))
-    with atomic_path(lay.train_state(0), is_dir=True) as tmp:
+    with atomic_path(lay.train_state(0), is_dir=True,
+                     identity=artifact(cfg, lay.train_state(0), "prepare-pool", 0)) as tmp:
         for ac in cfg.agents:
             (tmp / ac.name).mkdir()
             write_json(tmp / ac.name / "meta.json", {"updates": 0})

@@ -23,7 +23,7 @@ def report(cfg: Config) -> StageResult:
     out = write_report(history, pool, Path(cfg.experiment.reports_dir))
     reports = Path(cfg.experiment.reports_dir)
     # what write_report wrote (not the comparison reports, benchmarks and notes beside them)
-    files = [reports / "summary.json", reports / "README.md", *sorted(reports.glob("*.png")),
+    files = [reports / "summary.json", reports / "metrics.json", reports / "README.md", *sorted(reports.glob("*.png")),
              *sorted(reports.glob("plots/*.csv"))]
     return StageResult({"summary": str(out)}, artifacts=[str(p) for p in files if p.is_file()])
 
@@ -55,10 +55,23 @@ def summarize(history: dict, pool: dict) -> dict:
             "agents": agents}
 
 
+def headline(summary: dict) -> dict:
+    """``reports/metrics.json``, the experiment's DVC metrics: the last iteration's held-out
+    accuracy and the gain since iteration 0 per agent (fractions, 4 decimals), and their mean. Small
+    and committed with ``dvc.lock``, so that ``dvc metrics diff main`` and ``dvc exp show`` compare
+    runs from git alone (the per-iteration figures are in ``runs/itT/eval_metrics.json``)."""
+    agents = summary["agents"]
+    return {"iteration": summary["iterations"][-1],
+            "eval_accuracy": {n: round(a["eval_accuracy"][-1], 4) for n, a in agents.items()},
+            "gain": {n: round(a["gain"], 4) for n, a in agents.items()},
+            "mean_gain": round(summary["mean_gain"], 4)}
+
+
 def write_report(history: dict, pool: dict, out: Path) -> Path:
     summary = summarize(history, pool)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "summary.json", summary)
+    write_json(out / "metrics.json", headline(summary))
     # wide per-metric tables: one column per agent, which dvc.yaml's top-level plots name
     for key in ("eval_accuracy", "train_reward", "entropy"):
         buf = io.StringIO()

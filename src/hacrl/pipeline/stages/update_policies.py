@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import compact, layout, resource_plan, set_threads
+from hacrl.pipeline.common import artifact, compact, layout, resource_plan, set_threads
 from hacrl.pipeline.learner import update_agent
 from hacrl.pipeline.result import Input, Series, StageResult, numbers, shard_inputs
 from hacrl.pipeline.update_worker import launch
@@ -34,8 +34,10 @@ def update_policies(cfg: Config, t: int) -> StageResult:
     hooks = LOSSES[cfg.algorithm.loss.name].hooks  # the loss's own bookkeeping (SGT: its rescues)
     private = (*(hooks.private if hooks is not None else ()), "per_update")  # records, not figures
     together = {j.agent for w in rplan.waves if w.stage == "update" and len(w.jobs) > 1 for j in w.jobs}
-    with atomic_path(lay.checkpoints(t), is_dir=True) as tmp_ck, \
-            atomic_path(lay.train_state(t), is_dir=True) as tmp_st:
+    with atomic_path(lay.checkpoints(t), is_dir=True,
+                     identity=artifact(cfg, lay.checkpoints(t), "update-policies", t)) as tmp_ck, \
+            atomic_path(lay.train_state(t), is_dir=True,
+                        identity=artifact(cfg, lay.train_state(t), "update-policies", t)) as tmp_st:
         def job(j) -> dict:
             name = j.agent
             world = len(j.devices) if on_gpus(j.devices) else cfg.trainer.world_size

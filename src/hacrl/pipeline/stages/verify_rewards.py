@@ -8,7 +8,7 @@ import pandas as pd
 
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records, write_records
-from hacrl.pipeline.common import compact, layout
+from hacrl.pipeline.common import artifact, compact, layout
 from hacrl.pipeline.engines import verifier_lease
 from hacrl.pipeline.result import StageResult
 from hacrl.storage import atomic_path
@@ -21,7 +21,7 @@ def verify_rewards(cfg: Config, t: int) -> StageResult:
     """math-verify every rollout against its gold answer in killable worker processes."""
     lay = layout(cfg)
     stats = {}
-    with atomic_path(lay.rewards(t), is_dir=True) as tmp, \
+    with atomic_path(lay.rewards(t), is_dir=True, identity=artifact(cfg, lay.rewards(t), "verify-rewards", t)) as tmp, \
             VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path,
                          lease=verifier_lease(cfg)) as pool:
         shards = {ac.name: read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout") for ac in cfg.agents}
