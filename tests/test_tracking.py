@@ -247,6 +247,20 @@ def test_a_rerun_that_writes_the_identical_checkpoint_keeps_its_model(tracked):
     assert len(tr.client.search_model_versions(f"name = '{tr.model_name('gpt2-a')}'")) == versions
 
 
+def test_a_stage_rerun_in_a_resumed_iteration_run_links_each_model_once(tracked):
+    """`make run` after a code change reruns update-policies in the iteration runs it resumes:
+    MLflow refuses a model link a run already holds (a unique key), which lost the record."""
+    tmp_path, cfg, lay, tr, accs = tracked
+    it2 = read_json(lay.runs / ".tracking" / "runs.json")["iterations"]["2"]
+    for _ in range(2):
+        tr.log_stage("update-policies", 2, StageResult({}, checkpoints={a: str(lay.checkpoint(2, a)) for a in AGENTS}),
+                     1.0)
+    run = tr.client.get_run(it2)
+    ins = [m.model_id for m in run.inputs.model_inputs]
+    outs = [m.model_id for m in run.outputs.model_outputs]
+    assert len(ins) == len(set(ins)) == 2 and len(outs) == len(set(outs)) == 2
+
+
 def test_a_parquet_shard_input_carries_its_record_schema_and_profile(tmp_path):
     """The dataset drawer of a rollout shard: the record schema and rows, not "No schema available"."""
     import pyarrow as pa

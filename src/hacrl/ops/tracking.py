@@ -570,8 +570,13 @@ class Tracker:
 
         if not checkpoints:
             return
+        # a stage re-run in a resumed iteration run links the same models again: MLflow refuses a
+        # link it holds (a unique key), so only the new ones are logged
+        run = self.client.get_run(it_run)
+        linked_in = {m.model_id for m in (run.inputs.model_inputs if run.inputs else None) or []}
+        linked_out = {m.model_id for m in (run.outputs.model_outputs if run.outputs else None) or []}
         parents = [m for a in checkpoints if t > 0 for m in [self._model_of(a, t - 1, self.layout.checkpoint(t - 1, a))]
-                   if m]
+                   if m and m not in linked_in]
         if parents:
             self.client.log_inputs(it_run, models=[LoggedModelInput(m) for m in parents])
         params = flatten(dataclasses.asdict(self.cfg))
@@ -605,6 +610,7 @@ class Tracker:
             doc = self._runs()
             doc.setdefault("models", {})[f"{agent}@it{t}"] = model.model_id
             write_json(self._pointer(), doc)
+        outs = [o for o in outs if o.model_id not in linked_out]
         if outs:
             self.client.log_outputs(it_run, outs)
 
