@@ -4,13 +4,14 @@ outputs those of an uninterrupted run?
 Two copies of one prepared workspace (the miniature config of the tests, iteration 1 done) extend
 the experiment to ``--iterations``: the reference without interruption, the other killed
 (SIGKILL to the whole process group: DVC, the stage, the stage server's fork, the verifier's
-workers) ``--kills`` times at moments drawn uniformly over the reference's duration, each time
+workers) ``--kills`` times, each run living a uniform draw between 1 s and 1 s + twice the reference's
+duration over the number of kills (so the kills spread over the whole extension), each time
 resumed by the next `dvc repro`, and finally run to the end. Then every output hash of the two
 ``dvc.lock`` files is compared, and the killed copy must hold no temporary debris and be up to
 date. Prints one line per kill (the stage it interrupted) and the verdict; exit 1 on any
 difference.
 
-    python benchmarks/kill_at_random.py --kills 8 --seed 0 --work /tmp/kills
+    python benchmarks/kill_at_random.py --kills 12 --seed 0 --work /tmp/kills
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=3, help="extend the experiment from 1 to this many")
+    ap.add_argument("--iterations", type=int, default=8, help="extend the experiment from 1 to this many")
     ap.add_argument("--work", type=Path, required=True, help="an empty or missing directory")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -79,9 +80,10 @@ def main() -> int:
         _run(cmd, base)
     _config(base, "experiment.iterations=1")
     _run(["dvc", "repro"], base)
+    _run([sys.executable, "-m", "hacrl.cli", "track"], base)  # MLflow's store at rest before it is copied
     ref, killed = work / "reference", work / "killed"
-    shutil.copytree(base, ref, symlinks=True)
-    shutil.copytree(base, killed, symlinks=True)
+    for dest in (ref, killed):
+        shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("*-journal", "*.sock"))
 
     _config(ref, f"experiment.iterations={args.iterations}")
     t0 = time.time()
@@ -91,7 +93,8 @@ def main() -> int:
 
     _config(killed, f"experiment.iterations={args.iterations}")
     for k in range(args.kills):
-        at = rng.uniform(0.02, 0.9) * duration
+        # each run lives a uniform draw whose mean spreads the kills over the whole extension
+        at = rng.uniform(1.0, 1.0 + 2 * duration / args.kills)
         proc = subprocess.Popen(["dvc", "repro"], cwd=killed, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
