@@ -56,6 +56,7 @@ params: setup
 	$(BIN)/hacrl config $(OVERRIDES)
 
 run: params
+	@$(BIN)/hacrl unlock
 	$(BIN)/dvc repro
 	@$(BIN)/hacrl track
 	@sed -n '/^| agent/,/^$$/p' reports/README.md

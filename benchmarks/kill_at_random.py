@@ -93,6 +93,11 @@ def main() -> int:
 
     _config(killed, f"experiment.iterations={args.iterations}")
     for k in range(args.kills):
+        # what `make run` does before `dvc repro`: a dvc killed while writing its rwlock leaves it unreadable
+        unlocked = subprocess.run([sys.executable, "-m", "hacrl.cli", "unlock"], cwd=killed, env=_env(),
+                                  capture_output=True, text=True).stderr.strip()
+        if unlocked:
+            print(f"  before run {k + 1}: {unlocked}")
         # each run lives a uniform draw whose mean spreads the kills over the whole extension
         at = rng.uniform(1.0, 1.0 + 2 * duration / args.kills)
         proc = subprocess.Popen(["dvc", "repro"], cwd=killed, env=_env(), stdout=subprocess.PIPE,
@@ -110,6 +115,10 @@ def main() -> int:
         print(f"kill {k + 1}: SIGKILL at {at:.1f} s, in {ran[-1] if ran else '(before any stage)'}")
         time.sleep(0.5)  # a stage forked by the warm stage server watches its client and kills its own group
     t0 = time.time()
+    unlocked = subprocess.run([sys.executable, "-m", "hacrl.cli", "unlock"], cwd=killed, env=_env(),
+                              capture_output=True, text=True).stderr.strip()
+    if unlocked:
+        print(f"  before the last run: {unlocked}")
     _run(["dvc", "repro"], killed)
     print(f"resumed to the end in {time.time() - t0:.0f} s")
 

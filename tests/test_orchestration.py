@@ -103,6 +103,33 @@ def test_run_dvc_stage_runs_once_then_skips_and_reports_exit_codes(dvc_repo):
     assert e.value.exit_code == 1 and e.value.retryable and "boom" in str(e.value)
 
 
+def test_a_rwlock_a_killed_dvc_left_unreadable_is_removed_before_dvc_runs(dvc_repo):
+    """kill -9 at random moments found it: DVC rewrites .dvc/tmp/rwlock in place, and a dvc killed
+    between truncating and writing leaves it empty; every later dvc command then fails. `hacrl
+    unlock` (make run) and the orchestrator's dvc calls remove it; a readable one, or one a live
+    DVC is editing (rwlock.lock held), is left alone."""
+    import fcntl
+
+    from hacrl.ops.dvc_busy import repair_rwlock
+
+    rw = dvc_repo / ".dvc" / "tmp" / "rwlock"
+    rw.parent.mkdir(parents=True, exist_ok=True)
+    rw.write_text("")  # what the kill leaves
+    p = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=dvc_repo, capture_output=True, text=True)
+    assert p.returncode != 0 and "JSON structure is corrupted" in p.stdout + p.stderr
+    with open(rw.parent / "rwlock.lock", "w") as held:  # DVC editing it right now
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert repair_rwlock(dvc_repo) is None and rw.exists()
+    # README: hacrl unlock
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "unlock"], cwd=dvc_repo, capture_output=True, text=True)
+    assert p.returncode == 0 and "removed .dvc/tmp/rwlock" in p.stderr and not rw.exists()
+    assert run_dvc_stage(dvc_repo, "ok") == "ran"
+    rw.write_text('{"write": {}, "read": {}}')
+    assert repair_rwlock(dvc_repo) is None and rw.exists()  # readable: DVC's own
+    rw.write_text('{"write": {"out.txt": {"pid": 1, "cm')  # cut mid-write: the orchestrator repairs it itself
+    assert run_dvc_stage(dvc_repo, "ok") == "up-to-date"
+
+
 def test_metric_names_are_sanitised_and_config_is_flattened():
     assert sanitize("eval@it3 (greedy)") == "eval_it3 _greedy_"
     flat = flatten({"a": {"b": 1, "c": [1, 2]}, "agents": [{"name": "x"}, {"name": "y"}]})
@@ -289,3 +316,20 @@ def test_hacrl_iterate_says_what_an_override_makes_stale_before_it_starts(tmp_pa
     assert "this run redoes iteration 1" in lines[1] and "hacrl.supersedes" in lines[2]
     lines = override_effect(tmp_path, params.compose([*SMOKE, "data.max_operand=50"]))
     assert "prepare-data" in lines[1] and "the pool is prepared again" in lines[1]
+
+
+def test_an_iteration_starts_with_the_time_left_from_the_previous_ones_stages(tmp_path):
+    """Issue 28 (8): the estimate comes from the stages that really ran (runs/.timing.json, which
+    DVC neither tracks nor restores); none for the first iteration or an incomplete record."""
+    from hacrl.ops import progress
+
+    stages = ("generate-rollouts", "update-policies")
+    assert progress.eta(tmp_path, 2, 6, stages) is None  # nothing recorded
+    progress.record(tmp_path, "generate-rollouts", 1, 20.0)
+    assert progress.eta(tmp_path, 2, 6, stages) is None  # iteration 1 not complete
+    progress.record(tmp_path, "update-policies", 1, 40.04)
+    assert progress.eta(tmp_path, 2, 6, stages) == "iteration 2/6: about 5 min left (iteration 1 took 60 s)"
+    assert progress.eta(tmp_path, 6, 6, stages) is None  # iteration 5 has no record
+    assert progress.eta(tmp_path, 1, 6, stages) is None
+    (tmp_path / progress.TIMING).write_text("not json")
+    assert progress.eta(tmp_path, 2, 6, stages) is None  # a damaged record is no estimate, not an error

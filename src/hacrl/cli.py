@@ -107,6 +107,13 @@ def _stage(args: argparse.Namespace, cfg, t: int) -> int:
     removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
     if removed:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
+    from hacrl.ops import progress
+
+    iteration_stages = table.iteration_stages()
+    if args.name == iteration_stages[0]:  # an iteration starts: how long the rest should take
+        left = progress.eta(cfg.experiment.runs_dir, t, cfg.experiment.iterations, iteration_stages)
+        if left:
+            log.info("%s", left)
     t0 = time.time()
     log.info("stage %s (iteration %d) started", args.name, t)
     try:
@@ -123,6 +130,7 @@ def _stage(args: argparse.Namespace, cfg, t: int) -> int:
         raise
     wall = time.time() - t0
     log.info("stage %s (iteration %d) finished in %.1fs", args.name, t, wall)
+    progress.record(cfg.experiment.runs_dir, args.name, t, wall)
     track_queue.log_stage(cfg, args.name, t, result, wall, started=t0)
     if args.print_result:
         print(json.dumps(result, indent=2, default=str))
@@ -144,6 +152,15 @@ def cmd_input_stamp(args: argparse.Namespace) -> int:
     from hacrl.ops.inputs import stamp
 
     print(stamp(".", args.key, args.params or os.environ.get("HACRL_PARAMS", "params.yaml")))
+    return 0
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    from hacrl.ops.dvc_busy import repair_rwlock
+
+    done = repair_rwlock(args.project)
+    if done:
+        print(f"hacrl: {done}", file=sys.stderr)
     return 0
 
 
@@ -485,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--title", default="", help="the report's title")
     sh.add_argument("--out", help="write the Markdown here (default: print it)")
     sh.set_defaults(fn=cmd_sharing)
+    ul = sub.add_parser("unlock", help="remove DVC's read/write-lock file when a killed dvc left it unreadable "
+                                       "(`make run` does it before `dvc repro`; a live dvc's is left alone)")
+    ul.add_argument("--project", default=".", help=PROJECT_HELP)
+    ul.set_defaults(fn=cmd_unlock)
     st = sub.add_parser("stop", help="stop what `hacrl serve` started")
     st.add_argument("--project", default=".", help=PROJECT_HELP)
     st.set_defaults(fn=cmd_stop)

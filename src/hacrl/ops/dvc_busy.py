@@ -69,3 +69,42 @@ def hold_dvc_lock(project: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def repair_rwlock(project: str | os.PathLike) -> str | None:
+    """Remove DVC's read/write-lock file when a killed ``dvc`` left it unreadable; return what was
+    done, or None.
+
+    DVC rewrites ``.dvc/tmp/rwlock`` in place (truncate, then write the JSON), under its
+    ``rwlock.lock``: a ``dvc`` killed between the two leaves it empty or cut, and every later
+    ``dvc`` command then fails ("Unable to read RWLock-file ... JSON structure is corrupted") until
+    someone removes it (seen under ``kill -9`` at random moments). Holding ``rwlock.lock`` as DVC
+    does (an ``flock``), a file that is still not JSON is removed: it names no lock anyone can
+    hold, since its writer is dead. A live DVC holding ``rwlock.lock`` is left alone."""
+    tmp = Path(project) / ".dvc" / "tmp"
+    path = tmp / "rwlock"
+
+    def unreadable() -> bool:
+        try:
+            json.loads(path.read_text() or "x")
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError):
+            return True
+        return False
+
+    if not unreadable():
+        return None
+    fd = os.open(tmp / "rwlock.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # DVC is editing it right now
+        if not unreadable():
+            return None
+        path.unlink()
+    finally:
+        os.close(fd)
+    return (f"removed {path.relative_to(Path(project))}: DVC's read/write-lock file was not readable (a dvc "
+            f"process killed while writing it); DVC starts a new one")

@@ -207,6 +207,11 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
         keep_extension(data, overrides, project / "params.yaml")
         write_params(data, project / "params.yaml")
     n = int(read_params(project)["experiment"]["iterations"])
+    from hacrl.ops.dvc_busy import repair_rwlock
+
+    repaired = repair_rwlock(project)
+    if repaired:
+        log.warning("%s", repaired)
     status = dvc_status(project)
     stale = set(status)
     inputs = sorted(s for s in stale if s.startswith(INPUT_STAGE + "@"))
@@ -308,6 +313,11 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
     Output lines go to ``on_line`` as they come; on failure :class:`StageFailed` carries the
     stage's exit code (parsed from DVC's message) and the last lines.
     """
+    from hacrl.ops.dvc_busy import repair_rwlock
+
+    repaired = repair_rwlock(project)  # a dvc killed mid-write (a retried task) leaves it unreadable
+    if repaired:
+        log.warning("%s", repaired)
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     proc = subprocess.Popen(cmd, cwd=project, env=dvc_env(env, project), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
