@@ -130,6 +130,32 @@ def test_a_rwlock_a_killed_dvc_left_unreadable_is_removed_before_dvc_runs(dvc_re
     assert run_dvc_stage(dvc_repo, "ok") == "up-to-date"
 
 
+def test_a_dvc_lock_a_killed_dvc_emptied_is_restored_from_the_copy_the_last_stage_kept(dvc_repo):
+    """kill -9 at random moments found it too: DVC rewrites dvc.lock in place when a stage ends,
+    and a kill then leaves it empty (DVC refuses it: 'validation failed'). Each stage DVC starts
+    keeps a copy of the whole lock; `hacrl unlock` and the orchestrator restore it."""
+    from hacrl.ops.dvc_busy import LOCK_COPY, keep_lock_copy, repair_after_kill
+
+    assert run_dvc_stage(dvc_repo, "ok") == "ran"
+    lock = (dvc_repo / "dvc.lock").read_text()
+    keep_lock_copy(dvc_repo)  # what `hacrl stage` does when DVC starts the next stage
+    assert (dvc_repo / LOCK_COPY).read_text() == lock
+    for cut in ("", lock.split("outs:")[0] + "outs:\n    - pa"):  # emptied, or cut where DVC refuses it
+        (dvc_repo / "dvc.lock").write_text(cut)
+        p = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=dvc_repo, capture_output=True, text=True)
+        assert p.returncode != 0, p.stdout
+        p = subprocess.run([sys.executable, "-m", "hacrl.cli", "unlock"], cwd=dvc_repo, capture_output=True, text=True)
+        assert "restored the copy taken when the last stage started" in p.stderr, p.stderr
+        assert (dvc_repo / "dvc.lock").read_text() == lock
+    assert run_dvc_stage(dvc_repo, "ok") == "up-to-date"
+    # no copy: said, and left for git
+    (dvc_repo / LOCK_COPY).unlink()
+    (dvc_repo / "dvc.lock").write_text("")
+    assert repair_after_kill(dvc_repo) == ["dvc.lock is empty (a dvc killed while writing it?) and no copy of it is "
+                                           "kept here: `git checkout dvc.lock` restores the committed one"]
+    assert (dvc_repo / "dvc.lock").read_text() == ""
+
+
 def test_metric_names_are_sanitised_and_config_is_flattened():
     assert sanitize("eval@it3 (greedy)") == "eval_it3 _greedy_"
     flat = flatten({"a": {"b": 1, "c": [1, 2]}, "agents": [{"name": "x"}, {"name": "y"}]})

@@ -27,6 +27,27 @@ def test_clean_tmp_removes_debris_of_a_killed_writer(tmp_path):
     assert [p.name for p in (tmp_path / "runs" / "it1").iterdir()] == ["done.json"]
 
 
+def test_a_stage_start_cleans_every_place_stages_write_reports_included(tmp_path, monkeypatch):
+    """kill -9 in the report stage left reports/.tmp-accuracy.png-* behind (the kill benchmark, seed 2):
+    a stage start cleaned runs/ and data/ only."""
+    from types import SimpleNamespace
+
+    from hacrl.cli import clean_debris
+
+    monkeypatch.chdir(tmp_path)
+    for d in ("runs/it1", "data/tasks", "out/plots"):
+        (tmp_path / d).mkdir(parents=True)
+    for f in ("runs/it1/.tmp-x.json-1", "data/tasks/.tmp-train.jsonl-2", "out/.tmp-accuracy.png-3",
+              "out/plots/.tmp-eval_accuracy.csv-4", "out/summary.json"):
+        (tmp_path / f).write_text("x")
+    # the MLflow flusher writes beside the stages: its temporary file of the moment is not debris
+    (tmp_path / "runs/.tracking").mkdir()
+    (tmp_path / "runs/.tracking/.tmp-runs.json-5").write_text("{")
+    cfg = SimpleNamespace(experiment=SimpleNamespace(runs_dir="runs", reports_dir="out"))
+    assert clean_debris(cfg) == 4 and [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()] == ["summary.json"]
+    assert (tmp_path / "runs/.tracking/.tmp-runs.json-5").exists()
+
+
 def test_a_writer_killed_before_the_rename_leaves_only_debris(tmp_path):
     import os
     import subprocess

@@ -91,6 +91,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if problem:
         raise ConfigError(problem)
     if "DVC_STAGE" in os.environ:  # DVC runs it: DVC holds the workspace
+        from hacrl.ops.dvc_busy import keep_lock_copy
+
+        keep_lock_copy(os.environ.get("DVC_ROOT", "."))  # whole now; DVC rewrites it in place when this ends
         return _stage(args, cfg, t)
     from hacrl.ops.dvc_busy import hold_dvc_lock
 
@@ -98,13 +101,20 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return _stage(args, cfg, t)
 
 
+def clean_debris(cfg) -> int:
+    """Remove what a killed stage left under its temporary names where stages write (runs/,
+    data/, reports/: the report stage's plots too); return how many."""
+    from hacrl.storage import clean_tmp
+
+    return sum(clean_tmp(d) for d in (cfg.experiment.runs_dir, "data", cfg.experiment.reports_dir))
+
+
 def _stage(args: argparse.Namespace, cfg, t: int) -> int:
     from hacrl.ops import track_queue
     from hacrl.ops.inputs import verify
     from hacrl.pipeline import table
-    from hacrl.storage import clean_tmp
 
-    removed = clean_tmp(cfg.experiment.runs_dir) + clean_tmp("data")
+    removed = clean_debris(cfg)
     if removed:
         log.info("removed %d temporary leftovers of an interrupted run", removed)
     from hacrl.ops import progress
@@ -156,11 +166,10 @@ def cmd_input_stamp(args: argparse.Namespace) -> int:
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
-    from hacrl.ops.dvc_busy import repair_rwlock
+    from hacrl.ops.dvc_busy import repair_after_kill
 
-    done = repair_rwlock(args.project)
-    if done:
-        print(f"hacrl: {done}", file=sys.stderr)
+    for line in repair_after_kill(args.project):
+        print(f"hacrl: {line}", file=sys.stderr)
     return 0
 
 
@@ -502,8 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--title", default="", help="the report's title")
     sh.add_argument("--out", help="write the Markdown here (default: print it)")
     sh.set_defaults(fn=cmd_sharing)
-    ul = sub.add_parser("unlock", help="remove DVC's read/write-lock file when a killed dvc left it unreadable "
-                                       "(`make run` does it before `dvc repro`; a live dvc's is left alone)")
+    ul = sub.add_parser("unlock", help="repair what a dvc killed while writing left unreadable: its read/write "
+                                       "lock (removed) and dvc.lock (restored from the copy the last stage kept); "
+                                       "`make run` does it before `dvc repro`; a live dvc is left alone")
     ul.add_argument("--project", default=".", help=PROJECT_HELP)
     ul.set_defaults(fn=cmd_unlock)
     st = sub.add_parser("stop", help="stop what `hacrl serve` started")

@@ -157,12 +157,19 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def clean_tmp(root: str | os.PathLike) -> int:
-    """Remove debris that a killed stage left under ``root``; return how many were removed."""
+    """Remove debris that a killed stage left under ``root``; return how many were removed.
+
+    Hidden directories are not looked into: they belong to processes that run beside the stages
+    (``runs/.tracking``: the MLflow flusher, whose temporary file of the moment is no debris)."""
     n = 0
     root = Path(root)
     if not root.exists():
         return 0
     for p in list(root.rglob(f"{TMP_PREFIX}*")):
+        if any(part.startswith(".") for part in p.relative_to(root).parts[:-1]):
+            continue  # inside a hidden directory (or inside debris removed whole)
+        if not p.exists():
+            continue
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:

@@ -71,6 +71,85 @@ def hold_dvc_lock(project: str | os.PathLike) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+LOCK_COPY = Path(".dvc") / "tmp" / "hacrl-dvc.lock"
+"""The last complete ``dvc.lock``, copied by each stage DVC starts (see :func:`keep_lock_copy`)."""
+
+
+def _lock_state(path: Path) -> str | None:
+    """Why ``path`` (a dvc.lock) is not one DVC can read, or None (a readable or absent one)."""
+    import yaml
+
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return str(e)
+    if not text.strip():
+        return "empty"
+    try:
+        doc = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+    except yaml.YAMLError:
+        return "not valid YAML"
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA  # DVC's own check: what it would refuse
+    from voluptuous import Invalid
+
+    try:
+        COMPILED_LOCKFILE_SCHEMA(doc)
+    except Invalid as e:
+        return f"cut short ({e})"
+    return None
+
+
+def keep_lock_copy(project: str | os.PathLike) -> None:
+    """Copy ``dvc.lock`` to :data:`LOCK_COPY` (atomically) when a stage DVC runs starts: DVC wrote
+    it whole before starting the stage, and rewrites it in place (truncate, then write) when the
+    stage ends, so a dvc killed at that moment empties it; :func:`repair_after_kill` restores
+    this copy then. A courtesy: a failure to copy is ignored."""
+    from hacrl.storage import atomic_write_text
+
+    src = Path(project) / "dvc.lock"
+    try:
+        text = src.read_text()
+        if text.strip() and "stages:" in text:
+            atomic_write_text(Path(project) / LOCK_COPY, text)
+    except OSError:
+        pass
+
+
+def _restore_lock(project: Path) -> str | None:
+    path = project / "dvc.lock"
+    why = _lock_state(path)
+    if why is None:
+        return None
+    copy = project / LOCK_COPY
+    if not copy.is_file() or _lock_state(copy) is not None:
+        return (f"dvc.lock is {why} (a dvc killed while writing it?) and no copy of it is kept here: "
+                f"`git checkout dvc.lock` restores the committed one")
+    fd = os.open(project / ".dvc" / "tmp" / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # DVC is at work: it is writing it right now
+        if _lock_state(path) is None:
+            return None
+        from hacrl.storage import atomic_write_text
+
+        atomic_write_text(path, copy.read_text())
+    finally:
+        os.close(fd)
+    return (f"dvc.lock was {why} (a dvc killed while writing it): restored the copy taken when the last stage "
+            f"started; the stage DVC was recording runs again")
+
+
+def repair_after_kill(project: str | os.PathLike) -> list[str]:
+    """Repair what a ``dvc`` killed while writing left unreadable: its read/write-lock file
+    (:func:`repair_rwlock`) and ``dvc.lock`` (restored from :data:`LOCK_COPY`). Returns what was
+    done or found, one line each."""
+    return [x for x in (repair_rwlock(project), _restore_lock(Path(project))) if x]
+
+
 def repair_rwlock(project: str | os.PathLike) -> str | None:
     """Remove DVC's read/write-lock file when a killed ``dvc`` left it unreadable; return what was
     done, or None.

@@ -207,10 +207,9 @@ def plan_iteration(project: Path, iteration: int | None = None, overrides: list[
         keep_extension(data, overrides, project / "params.yaml")
         write_params(data, project / "params.yaml")
     n = int(read_params(project)["experiment"]["iterations"])
-    from hacrl.ops.dvc_busy import repair_rwlock
+    from hacrl.ops.dvc_busy import repair_after_kill
 
-    repaired = repair_rwlock(project)
-    if repaired:
+    for repaired in repair_after_kill(project):
         log.warning("%s", repaired)
     status = dvc_status(project)
     stale = set(status)
@@ -313,10 +312,9 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
     Output lines go to ``on_line`` as they come; on failure :class:`StageFailed` carries the
     stage's exit code (parsed from DVC's message) and the last lines.
     """
-    from hacrl.ops.dvc_busy import repair_rwlock
+    from hacrl.ops.dvc_busy import repair_after_kill
 
-    repaired = repair_rwlock(project)  # a dvc killed mid-write (a retried task) leaves it unreadable
-    if repaired:
+    for repaired in repair_after_kill(project):  # a dvc killed mid-write (a retried task) leaves it unreadable
         log.warning("%s", repaired)
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     proc = subprocess.Popen(cmd, cwd=project, env=dvc_env(env, project), stdout=subprocess.PIPE,
