@@ -103,11 +103,15 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     # README: dvc metrics diff main
     diff = _run(["dvc", "metrics", "diff", "HEAD"], repo).stdout
     assert re.search(r"reports/metrics\.json\s+iteration\s+2\s+3\s+1", diff), diff
-    # README: dvc exp show --only-changed
-    wide = {**_env(), "COLUMNS": "250"}
-    shown = subprocess.run(["dvc", "exp", "show", "--no-pager", "--only-changed"], cwd=repo, env=wide,
-                           capture_output=True, text=True, check=True).stdout
-    assert "experiment.iterations" in shown and "iteration" in shown and "…" not in shown, shown
+    # the settings and metrics that differ; the changed dependencies' hashes (paths) and the
+    # generated iteration table dropped
+    # README: dvc exp show --only-changed --drop '.*/' --drop 'iterations\.'
+    wide = {**_env(), "COLUMNS": "200"}
+    shown = subprocess.run(["dvc", "exp", "show", "--no-pager", "--only-changed", "--drop", ".*/", "--drop",
+                            r"iterations\."],
+                           cwd=repo, env=wide, capture_output=True, text=True, check=True).stdout
+    assert "experiment.iterations" in shown and " iteration " in shown and "…" not in shown, shown
+    assert "runs/" not in shown and "iterations.it3" not in shown, shown
     rows = list(csv.DictReader(io.StringIO(_run(["dvc", "exp", "show", "--csv"], repo).stdout)))
     assert [r["rev"] for r in rows][0] == "workspace" and len(rows) == 2  # the workspace and the commit
     now = read_json(repo / "reports" / "metrics.json")
@@ -115,8 +119,8 @@ def test_repro_runs_the_dag_then_nothing_then_only_new_iterations(repo):
     assert float(rows[1]["eval_accuracy.gpt2-a"]) == final["eval_accuracy"]["gpt2-a"]  # from git alone
     assert (rows[0]["experiment.iterations"], rows[1]["experiment.iterations"]) == ("3", "2")
     # the settings alone (the iteration table is dvc.vars.yaml's)
-    # README: dvc params diff params.yaml
-    pdiff = _run(["dvc", "params", "diff", "params.yaml"], repo).stdout
+    # README: dvc params diff --targets params.yaml
+    pdiff = _run(["dvc", "params", "diff", "--targets", "params.yaml"], repo).stdout
     assert re.search(r"params\.yaml\s+experiment\.iterations\s+2\s+3", pdiff) and "iterations.it3" not in pdiff, pdiff
 
     # a trainer change makes the updates stale, not the rollouts that came before them
@@ -326,7 +330,7 @@ def test_editing_a_task_file_or_a_model_directory_makes_the_stages_that_read_it_
     ws = dvc_workspace(tmp_path / "ws", ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore"))
     _config(ws, "data=files", f"data.train_path={files / 'train.jsonl'}", f"data.heldout_path={files / 'held.jsonl'}",
             "data.dev_size=10")
-    assert set(build.read_yaml(ws / "params.yaml")["external_inputs"]) == {"data-train", "data-heldout"}
+    assert set(build.read_yaml(ws / "dvc.vars.yaml")["external_inputs"]) == {"data-train", "data-heldout"}
     ran = _ran(_run(["dvc", "repro", "prepare-data"], ws).stdout)
     assert ran == ["external-input@data-heldout", "external-input@data-train", "prepare-data"] or \
         sorted(ran) == sorted(["external-input@data-heldout", "external-input@data-train", "prepare-data"])

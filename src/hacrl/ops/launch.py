@@ -119,16 +119,26 @@ SKIPPED = {"up to date (DVC), skipped": ", up to date", "restored from DVC's run
 """What a stage task logs when it did not run its stage (tasks/stages.py), as the terminal says it."""
 
 
-def _what_it_did(client, task_run_id) -> str:
-    """``, up to date`` / ``, restored`` for a stage task that did not run its stage, else ``""``
-    (read from the task's own log line; a log that cannot be read says nothing)."""
+def _what_it_did(client, task_run_id, stage: str, wait_s: float = 5.0) -> str:
+    """``, up to date`` / ``, restored`` for a stage task that did not run its stage, else ``""``,
+    read from the task's own last log line (``STAGE: ...``). Prefect ships logs in batches, so a
+    task may be COMPLETED before its last line reached the server: wait for it (``wait_s`` at
+    most; a log that cannot be read says nothing)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 
-    try:
-        logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])), limit=200)
-    except Exception:  # noqa: BLE001 - a courtesy line, never a failure
-        return ""
-    return next((v for log in logs for k, v in SKIPPED.items() if k in (log.message or "")), "")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])), limit=200)
+        except Exception:  # noqa: BLE001 - a courtesy line, never a failure
+            return ""
+        final = [m for log in logs for m in [log.message or ""] if m.startswith(f"{stage}: ")
+                 and (m.endswith(": ran") or "routed to work pool" in m or any(k in m for k in SKIPPED))]
+        if final:
+            return next((v for k, v in SKIPPED.items() if k in final[-1]), "")
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.2)
 
 
 def launch(project: Path, iteration: int | None = None, force: bool = False, overrides: list[str] | None = None,
@@ -199,7 +209,7 @@ def launch(project: Path, iteration: int | None = None, force: bool = False, ove
                         out(f"  · {tr.name} running, {tick * RUNNING_EVERY_S:.0f} s")
                         done.add(("tick", tr.run_count, tick))
                 if state != "RUNNING" and ("end", state, tr.run_count) not in done:
-                    what = _what_it_did(client, tr.id) if state == "COMPLETED" else ""
+                    what = _what_it_did(client, tr.id, tr.name) if state == "COMPLETED" else ""
                     took = f" ({tr.total_run_time.total_seconds():.1f} s{what})" if state == "COMPLETED" else ""
                     out(f"  {_MARK[state]} {tr.name}{took}")
                     done.add(("end", state, tr.run_count))

@@ -25,7 +25,8 @@ from hacrl.storage import atomic_write_text
 GENERATED_KEYS = ("iterations", "agent_names", "external_inputs")
 """Keys derived from the config for dvc.yaml's templating (foreach, plots). They are written to
 ``dvc.vars.yaml`` beside params.yaml (dvc.yaml's ``vars``), not to params.yaml: ``dvc params
-diff params.yaml`` and ``dvc exp show`` then list the settings alone."""
+diff --targets params.yaml`` then lists the settings alone, and ``dvc exp show --drop
+'iterations\\.'`` can leave the generated table out."""
 
 VARS_FILE = "dvc.vars.yaml"
 """The generated keys' file, beside ``params.yaml`` (another params file ``X.yaml``: ``X.vars.yaml``)."""
