@@ -29,11 +29,10 @@ from pathlib import Path
 
 import yaml
 
+from hacrl.study.bench.pipeline import scratch_workspace
+from hacrl.study.bench.workspace import SMOKE
+
 ROOT = Path(__file__).resolve().parents[1]
-ITEMS = ("dvc.yaml", "conf", "src", ".gitignore", ".dvcignore")
-SMOKE = ["experiment=smoke", "agents=tiny", "rollout.prompts_per_iteration=16", "rollout.group_size=4",
-         "rollout.max_new_tokens=12", "data.train_size=1000", "data.heldout_size=100", "data.dev_size=40",
-         "trainer.mini_batch_prompts=8", "eval.max_new_tokens=12"]
 
 
 def _env() -> dict[str, str]:
@@ -71,13 +70,7 @@ def main() -> int:
     if work.exists():
         shutil.rmtree(work)
     base = work / "base"
-    base.mkdir(parents=True)
-    for item in ITEMS:
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, base / item)
-    for cmd in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"],
-                [sys.executable, "-m", "dvc", "config", "core.analytics", "false"]):
-        _run(cmd, base)
+    scratch_workspace("smoke", base, ROOT)  # the benchmarks' miniature workspace, iteration 0 done
     _config(base, "experiment.iterations=1")
     _run(["dvc", "repro"], base)
     _run([sys.executable, "-m", "hacrl.cli", "track"], base)  # MLflow's store at rest before it is copied

@@ -152,8 +152,8 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     assert not list((repo / "runs" / ".tracking" / "queue").glob("*.json"))
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke").experiment_id
-    # the README's click path, counted from the URL the project prints (the experiment's runs page)
-    clicks = 0
+    # the README's click path, each step the page a click opens from the URL the project prints
+    # (the experiment's runs page)
     # one run per agent: its held-out accuracy is a line over iterations 0..3 (the runs page's chart)
     (agent,) = client.search_runs([exp], "tags.`hacrl.kind` = 'agent' and tags.`hacrl.agent` = 'gpt2-a'")
     hist = {m.step: m.value for m in client.get_metric_history(agent.info.run_id, "eval/accuracy")}
@@ -162,7 +162,6 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     assert "train/kl_to_init" not in agent.data.metrics  # no reference model (kl_coef 0): not computed, not 0
     # the point at step 3 -> the logged model of iteration 3's checkpoint, linked to the held-out set:
     # the Models tab (click 1), its row gpt2-a-it3 (click 2)
-    clicks += 2
     (model,) = client.search_logged_models([exp], filter_string="name = 'gpt2-a-it3'")
     # its page shows the description (MLflow 3's model page shows no tags): checkpoint path, DVC hash
     note = model.tags["mlflow.note.content"]
@@ -179,7 +178,6 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     assert model.params["algorithm.name"] == "grpo" and model.params["rollout.group_size"] == "4"
     assert model.params["agents.0.name"] == "gpt2-a"
     # -> its source run, iteration 3, whose inputs are the shards it trained on (DVC's hashes): click 3
-    clicks += 1
     src = client.get_run(model.source_run_id)
     assert src.info.run_name == "it3" and src.info.status == "FINISHED"
     digests = {d.dataset.name: d.dataset.digest for d in src.inputs.dataset_inputs}
@@ -189,7 +187,6 @@ def test_mlflow_lineage_from_eval_metric_to_checkpoint_rollouts_and_config(repo)
     for name in ("gpt2-a", "llama-b"):
         assert digests[f"rollouts/it3/{name}"] == dvc_files[f"{name}.parquet"]
     assert digests.keys() >= {"rewards/it3/gpt2-a", "exchange/it3/learner-gpt2-a", "heldout"}
-    assert clicks <= 4  # accuracy point -> checkpoint and config (2) -> rollout shards (3)
     # 1 experiment run, iterations 0..3, 2 agents: 7 runs, not one per stage
     assert len(client.search_runs([exp])) == 7
 

@@ -47,6 +47,22 @@ def _rwlock_holders(tmp: Path) -> list[str]:
 
 
 @contextlib.contextmanager
+def _flocked(path: Path) -> Iterator[bool]:
+    """Try DVC's kind of lock on ``path`` (an ``flock``, as zc.lockfile takes it) without waiting:
+    yields whether this process holds it; released on exit."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
 def hold_dvc_lock(project: str | os.PathLike) -> Iterator[None]:
     """Hold DVC's repository lock for a stage run by hand; raise :class:`WorkspaceBusy` when DVC
     holds it, or its read/write locks name a live process. No ``.dvc/``: nothing to hold."""
@@ -57,18 +73,13 @@ def hold_dvc_lock(project: str | os.PathLike) -> Iterator[None]:
     tmp.mkdir(exist_ok=True)
     busy = "stage run by hand while DVC is at work in this workspace ({}); it would rewrite what DVC " \
            "records: wait for it to finish, or run the stage through DVC (`dvc repro STAGE`)"
-    fd = os.open(tmp / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WorkspaceBusy(busy.format(f"{tmp / 'lock'} is held")) from None
+    with _flocked(tmp / "lock") as held:
+        if not held:
+            raise WorkspaceBusy(busy.format(f"{tmp / 'lock'} is held"))
         holders = _rwlock_holders(tmp)
         if holders:
             raise WorkspaceBusy(busy.format("a stage runs: " + "; ".join(holders)))
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 LOCK_COPY = Path(".dvc") / "tmp" / "hacrl-dvc.lock"
@@ -126,19 +137,12 @@ def _restore_lock(project: Path) -> str | None:
     if not copy.is_file() or _lock_state(copy) is not None:
         return (f"dvc.lock is {why} (a dvc killed while writing it?) and no copy of it is kept here: "
                 f"`git checkout dvc.lock` restores the committed one")
-    fd = os.open(project / ".dvc" / "tmp" / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None  # DVC is at work: it is writing it right now
-        if _lock_state(path) is None:
-            return None
-        from hacrl.storage import atomic_write_text
+    from hacrl.storage import atomic_write_text
 
+    with _flocked(project / ".dvc" / "tmp" / "lock") as held:
+        if not held or _lock_state(path) is None:
+            return None  # DVC is at work (writing it right now), or it was repaired meanwhile
         atomic_write_text(path, copy.read_text())
-    finally:
-        os.close(fd)
     return (f"dvc.lock was {why} (a dvc killed while writing it): restored the copy taken when the last stage "
             f"started; the stage DVC was recording runs again")
 
@@ -174,16 +178,9 @@ def repair_rwlock(project: str | os.PathLike) -> str | None:
 
     if not unreadable():
         return None
-    fd = os.open(tmp / "rwlock.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None  # DVC is editing it right now
-        if not unreadable():
-            return None
+    with _flocked(tmp / "rwlock.lock") as held:
+        if not held or not unreadable():
+            return None  # DVC is editing it right now, or it was repaired meanwhile
         path.unlink()
-    finally:
-        os.close(fd)
     return (f"removed {path.relative_to(Path(project))}: DVC's read/write-lock file was not readable (a dvc "
             f"process killed while writing it); DVC starts a new one")
