@@ -244,3 +244,37 @@ def test_two_contenders_that_ran_the_same_numbers_are_said_identical_not_tested(
     (eq, up) = findings(runs, [("x equals y", "x", "y", "equal"), ("x above y", "x", "y")])
     assert eq["differences"]["a"]["verdict"] == "identical in every seed" and eq["reproduces"]
     assert up["differences"]["a"]["verdict"] == "identical in every seed" and not up["reproduces"]
+
+
+def test_a_fresh_checkout_resumes_from_the_runs_kept_with_the_report(tmp_path, monkeypatch):
+    """The scratch directory (pools, checkpoints) is gone on another machine; the finished runs kept
+    in ``reports/<suite>/<setting>/runs/`` are reused on the same pool, rerun on another one."""
+    from hacrl.storage import write_json
+
+    ran = []
+    pool = {"fp": "aaaa"}
+
+    def fake_prepare(overrides, out, warmup=0):
+        write_json(compare.base_dir(out, warmup) / "prepared.json", {"key": "k", "pool": pool["fp"]})
+
+    def fake_run(name, overrides, seed, out, warmup=0):
+        return {**_fake(ran)(name, overrides, seed, out, warmup), "pool": compare.pool_of(out, warmup)}
+
+    monkeypatch.setattr(compare, "prepare_base", fake_prepare)
+    monkeypatch.setattr(compare, "run_contender", fake_run)
+    kw = dict(reports_dir=tmp_path / "r", setting="shared_tok", contenders=["gspo", "hacpo"], resume=True)
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w1", **kw)
+    store = tmp_path / "r" / "hacpo" / "shared_tok" / compare.STORE_DIR
+    assert len(ran) == 4 and sorted(f.name for f in store.iterdir()) == [
+        "gspo__seed0.json.gz", "gspo__seed1.json.gz", "hacpo__seed0.json.gz", "hacpo__seed1.json.gz"]
+    first = (store / "gspo__seed0.json.gz").read_bytes()
+    # a new scratch directory, the same pool: nothing reruns
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w2", **kw)
+    assert len(ran) == 4 and (store / "gspo__seed0.json.gz").read_bytes() == first
+    # the same pool prepared differently (another machine's arithmetic): every run again
+    pool["fp"] = "bbbb"
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w3", **kw)
+    assert len(ran) == 8
+    # another base (a new report): the old report's runs leave the store with it
+    compare.run_suite("hacpo", 1, ["rollout.group_size=4"], work_dir=tmp_path / "w3", **{**kw, "contenders": ["gspo"]})
+    assert len(ran) == 9 and sorted(f.name for f in store.iterdir()) == ["gspo__seed0.json.gz"]

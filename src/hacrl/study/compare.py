@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
+import hashlib
 import itertools
 import json
 import logging
@@ -31,7 +33,8 @@ from hacrl.config.schema import Config
 from hacrl.errors import ConfigError
 from hacrl.pipeline import params
 from hacrl.pipeline.in_process import prepare_experiment, run_in_process
-from hacrl.storage import RunLayout, read_json, write_json
+from hacrl.hashes import file_md5
+from hacrl.storage import MANIFEST, RunLayout, atomic_path, read_json, write_json
 from hacrl.study.report import write_index, write_report
 from hacrl.study.suites import SUITES
 
@@ -73,7 +76,7 @@ def prepare_base(base_overrides: list[str], out: Path, warmup: int = 0) -> Confi
                       "seed": cfg.experiment.seed, "pool_seed": cfg.experiment.pool_seed,
                       "eval": dataclasses.asdict(cfg.eval)}, sort_keys=True)
     stamp = base / "prepared.json"
-    if stamp.exists() and read_json(stamp).get("key") == key:
+    if stamp.exists() and read_json(stamp).get("key") == key and "pool" in read_json(stamp):
         log.info("reusing the prepared pool in %s", base)
         return cfg
     shutil.rmtree(base, ignore_errors=True)
@@ -81,24 +84,68 @@ def prepare_base(base_overrides: list[str], out: Path, warmup: int = 0) -> Confi
     with contextlib.chdir(base):
         t0 = time.time()
         prepare_experiment(cfg)
-    write_json(stamp, {"key": key, "seconds": round(time.time() - t0, 1)})
+    write_json(stamp, {"key": key, "seconds": round(time.time() - t0, 1), "pool": pool_fingerprint(base)})
     return cfg
+
+
+def pool_fingerprint(base: Path) -> str:
+    """A digest of a prepared pool's iteration-0 weights: a stored run is reused only on the pool it
+    started from (a pool prepared again on another machine must come out bit for bit the same)."""
+    ckpt = RunLayout(base / "runs").checkpoints(0)
+    h = hashlib.sha256()
+    for f in sorted(x for x in ckpt.rglob("*") if x.is_file() and x.name != MANIFEST):
+        h.update(f"{f.relative_to(ckpt).as_posix()}\0{file_md5(f)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def pool_of(out: Path, warmup: int) -> str | None:
+    """The fingerprint :func:`prepare_base` recorded for warm-up pool ``warmup`` (None before it)."""
+    stamp = base_dir(out, warmup) / "prepared.json"
+    return read_json(stamp).get("pool") if stamp.exists() else None
+
+
+STORE_DIR = "runs"
+"""Finished runs kept with a setting's report (``reports/<suite>/<setting>/runs/``, gzipped JSON, a
+few kB each, committed): the raw data of the report, tuning runs included, and what ``--resume``
+reuses on a fresh checkout (the scratch directory holds checkpoints and is not kept)."""
+
+
+def _store_file(store: Path, name: str, seed: int) -> Path:
+    return store / f"{name.replace('/', '__').replace(' ', '_')}__seed{seed}.json.gz"
+
+
+def store_run(store: Path, name: str, seed: int, run: dict) -> None:
+    """Keep a finished run (its curves, overrides and pool) in the store, atomically."""
+    store.mkdir(parents=True, exist_ok=True)
+    with atomic_path(_store_file(store, name, seed)) as tmp:
+        # mtime 0: the same run gives the same bytes
+        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+            f.write((json.dumps(run, sort_keys=True) + "\n").encode())
+
+
+def stored_run(store: Path, name: str, seed: int) -> dict | None:
+    f = _store_file(store, name, seed)
+    if not f.exists():
+        return None
+    with gzip.open(f, "rt") as fh:
+        return json.load(fh)
 
 
 RESULT_FILE = "result.json"
 """A finished run's curves, next to its scratch state (``<work>/<suite>/<setting>/<contender>/seed<k>/``)."""
 
 
-def finished_run(name: str, overrides: list[str], seed: int, out: Path) -> dict | None:
-    """The curves an earlier (interrupted) suite wrote for this contender and seed, if its
-    overrides were the same; None otherwise."""
+def finished_run(name: str, overrides: list[str], seed: int, out: Path, store: Path | None = None,
+                 pool: str | None = None) -> dict | None:
+    """The curves an earlier (interrupted) suite wrote for this contender and seed -- in the scratch
+    directory, else in the report's store -- if its overrides and warm-up pool were the same; None
+    otherwise."""
     f = out / name / f"seed{seed}" / RESULT_FILE
-    if not f.exists():
-        return None
-    res = read_json(f)
-    if res.pop("overrides", None) != overrides + [f"experiment.seed={seed}"]:
-        return None
-    return res
+    for res in (read_json(f) if f.exists() else None, stored_run(store, name, seed) if store else None):
+        if (res is not None and res.pop("overrides", None) == overrides + [f"experiment.seed={seed}"]
+                and (pool is None or res.get("pool") == pool)):
+            return res
+    return None
 
 
 def run_contender(name: str, overrides: list[str], seed: int, out: Path, warmup: int = 0) -> dict:
@@ -115,7 +162,8 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path, warmup:
     history = read_json(lay.history(cfg.experiment.iterations))
     agents = [a.name for a in cfg.agents]
     per_iter = cfg.rollout.prompts_per_iteration * cfg.samples_per_prompt  # rollouts per agent
-    res = {"contender": name, "seed": seed, "warmup": warmup, "algorithm": cfg.algorithm.name,
+    res = {"contender": name, "seed": seed, "warmup": warmup, "pool": pool_of(out, warmup),
+           "algorithm": cfg.algorithm.name,
            "eval_split": cfg.eval.split, "seconds": round(time.time() - t0, 1),
            "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
            "rollouts_per_agent_per_iteration": per_iter, "agents": {}}
@@ -224,10 +272,20 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         prepare_base(base_overrides, out, w)
     from tqdm import tqdm
 
+    store = Path(reports_dir).resolve() / suite / setting / STORE_DIR
+    used: set[Path] = set()
+
     def run(name: str, ovr: list[str], s: int) -> dict:
         w = s % warmups
         ovr = ovr + pool_overrides(w)
-        return (finished_run(name, ovr, s, out) if resume else None) or run_contender(name, ovr, s, out, w)
+        used.add(_store_file(store, name, s))
+        if resume and (res := finished_run(name, ovr, s, out, store, pool_of(out, w))):
+            if not _store_file(store, name, s).exists():
+                store_run(store, name, s, {**res, "overrides": ovr + [f"experiment.seed={s}"]})
+            return res
+        res = run_contender(name, ovr, s, out, w)
+        store_run(store, name, s, {**res, "overrides": ovr + [f"experiment.seed={s}"]})
+        return res
 
     tuning = None
     if points:
@@ -272,6 +330,12 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
                           "tuned_as": {**old["tuning"].get("tuned_as", {}), **tuning["tuned_as"]}}
             tuning = tuning or old.get("tuning")
             log.info("kept %d runs of the earlier report", len(results) - len(ran))
+            used.update(_store_file(store, r["contender"], r["seed"]) for r in results)
+            used.update(f for f in store.glob("tune__*") if tuning and old.get("tuning"))
+    # the store holds this report's runs only (a run of other overrides was rerun or dropped)
+    for f in store.glob("*.json.gz"):
+        if f not in used:
+            f.unlink()
     report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,
                           suite, setting, tuning, warmups)
     write_index(suite_dir, suite)
