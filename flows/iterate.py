@@ -11,6 +11,7 @@ jobs MWRA puts on GPUs) is a GPU task, routed to the ``gpu`` work pool when one 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -50,7 +51,9 @@ def _track(project: Path, cfg, logger) -> None:
         from hacrl.ops import track_queue
 
         n = track_queue.flush(project, cfg.experiment.runs_dir, timeout_s=cfg.orchestration.lock_timeout_s)
-        logger.info("MLflow: %d stage records logged by this flow run", n)
+        # a run that queued none has nothing to say here
+        logger.log(logging.INFO if n else logging.DEBUG, "MLflow: %d stage record%s logged by this flow run", n,
+                   "" if n == 1 else "s")
 
 
 def _publish(project: Path, cfg, t: int, done: dict[str, str], logger) -> None:
@@ -111,7 +114,7 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
 
         def run(todo: list[tuple[str, str]], t: int | None) -> None:
             for i, (s, sid) in enumerate(todo, 1):
-                logger.info("stage %d/%d: %s", i, len(todo), sid)
+                logger.debug("stage %d/%d: %s", i, len(todo), sid)  # the task run's own events say it
                 opts = dict(name=s, task_run_name=sid, **retry)
                 try:
                     if s in on_gpu:
@@ -123,9 +126,8 @@ def iterate(iteration: int | None = None, overrides: list[str] | None = None, fo
                             str(project), sid, force and s in iteration_stages)
                 except StageFailed as e:  # one line: the stage and why (the task's log has the rest)
                     _track(project, cfg, logger)
-                    failure = IterationFailed(t, sid, e.reason)
-                    logger.error("%s", failure)
-                    raise failure from None
+                    # Prefect logs it as the flow run's end, one line (orchestration.ExpectedFailures)
+                    raise IterationFailed(t, sid, e.reason) from None
 
         if plan.prepare:  # which iterations that leaves to do is known once it ran: plan again then
             logger.info("preparing first: %s", ", ".join([*plan.inputs, *prepare]))

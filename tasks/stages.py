@@ -15,10 +15,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 from prefect import get_run_logger, runtime, task
 
-from hacrl.ops.orchestration import StageFailed, run_dvc_stage
+from hacrl.ops.orchestration import (STAGE_LOG_DIR, ExpectedFailures, StageFailed, TaskCompletedEcho, run_dvc_stage,
+                                     stage_seconds, task_summary)
 from hacrl.ops.tracking import FLOW_RUN_ENV
+
+# what Prefect logs of a run: a failed stage in one line and its output's end, no engine traceback
+for _name, _filters in (("prefect.task_runs", (ExpectedFailures, TaskCompletedEcho)),
+                        ("prefect.flow_runs", (ExpectedFailures,))):
+    for _f in _filters:
+        if not any(isinstance(x, _f) for x in logging.getLogger(_name).filters):
+            logging.getLogger(_name).addFilter(_f())
 
 
 def _retryable(task, task_run, state) -> bool:
@@ -35,9 +45,22 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
     """Run one DVC stage (``name@itT``); return ``ran``, ``restored`` or ``up-to-date``."""
     logger = get_run_logger()
     flow_run_id = runtime.flow_run.root_flow_run_id or runtime.flow_run.id or ""
+    lines: list[str] = []
+
+    def on_line(line: str) -> None:  # the stage's figures and warnings; the rest stays in its log file
+        lines.append(line)
+        shown = task_summary(line)
+        if shown is not None:
+            logger.log(shown[0], "%s", shown[1])
+        else:
+            logger.debug("%s", line)
+
+    log_file = f"{STAGE_LOG_DIR}/{stage}.log"
     status = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
-                           on_line=logger.info)
-    logger.info("%s: %s", stage, {"ran": "ran", "restored": "restored from DVC's run cache",
+                           on_line=on_line, log_file=Path(project_dir) / log_file)
+    secs = stage_seconds(lines)
+    logger.info("%s: %s", stage, {"ran": f"ran{f' in {secs:.1f}s' if secs is not None else ''} ({log_file})",
+                                  "restored": "restored from DVC's run cache",
                                   "up-to-date": "up to date (DVC), skipped"}[status])
     return status
 

@@ -199,6 +199,72 @@ def test_task_logs_keep_the_stage_lines_and_drop_dvc_hints_and_progress_bars():
     assert len(task_log_line(long)) == LOG_LINE_CHARS + 4
 
 
+def test_a_task_log_keeps_a_stages_figures_and_warnings_and_its_file_keeps_everything(dvc_repo):
+    import logging
+
+    from hacrl.ops.orchestration import stage_seconds, task_summary
+
+    out = ["Running stage 'generate-rollouts@it1':", "> hacrl stage generate-rollouts --iteration 1",
+           "05:18:14 INFO hacrl: stage generate-rollouts (iteration 1) started",
+           "05:18:14 INFO hacrl: 2 iterations left, about 40 s (the previous iterations' stages)",
+           "05:18:16 INFO hacrl.pipeline.stages.generate_rollouts: rollouts gpt2-a: samples 64 · tokens 758",
+           "05:18:16 INFO hacrl.rollout.engines: engine host: 2 engines warm",
+           "05:18:17 WARNING hacrl.rollout.vllm_engine: vLLM fell back to transformers",
+           "05:18:18 INFO hacrl: stage generate-rollouts (iteration 1) finished in 3.3s", "Updating lock file 'dvc.lock'"]
+    kept = [task_summary(ln) for ln in out]
+    assert [k for k in kept if k] == [
+        (logging.INFO, "2 iterations left, about 40 s (the previous iterations' stages)"),
+        (logging.INFO, "rollouts gpt2-a: samples 64 · tokens 758"),
+        (logging.WARNING, "WARNING hacrl.rollout.vllm_engine: vLLM fell back to transformers")]
+    assert stage_seconds(out) == 3.3 and stage_seconds(out[:3]) is None
+    # run_dvc_stage writes the whole output to the log file it is given
+    log_file = dvc_repo / "logs" / "ok.log"
+    assert run_dvc_stage(dvc_repo, "ok", force=True, log_file=log_file) == "ran"
+    assert "Running stage 'ok'" in log_file.read_text()
+
+
+def test_a_stage_that_gave_up_is_logged_as_one_line_and_its_outputs_end_not_a_traceback():
+    import logging
+
+    from hacrl.ops.orchestration import ExpectedFailures, IterationFailed
+
+    tail = "05:18:22 INFO hacrl: stage x started\nTraceback (most recent call last):\n  File \"x.py\"\n" \
+           "hacrl.cli.InjectedFault: injected fault in exchange-and-align@it2\nERROR: failed to reproduce"
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append((r.getMessage(), r.exc_info, logging.Formatter().format(r)))
+    logger = logging.getLogger("test.expected_failures")
+    logger.addFilter(ExpectedFailures())
+    logger.addHandler(handler)
+    try:
+        try:
+            raise StageFailed("exchange-and-align@it2", 1, tail)
+        except StageFailed as e:
+            logger.error(f"Task run failed with exception: {e!r} - Retries are exhausted", exc_info=True)
+            try:
+                raise IterationFailed(2, "exchange-and-align@it2", e.reason) from None
+            except IterationFailed as f:
+                logger.exception("Encountered exception during execution: %r", f)
+        try:
+            raise KeyError("k")
+        except KeyError:
+            logger.error("something else", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    (task, _, task_text), (flow, _, flow_text), (other, other_exc, other_text) = records
+    assert task.splitlines()[0] == ("Task run failed with exception: stage exchange-and-align@it2 failed (exit 1): "
+                                    "InjectedFault: injected fault in exchange-and-align@it2 - Retries are exhausted")
+    assert "logs/exchange-and-align@it2.log" in task and task.splitlines()[-1] == "ERROR: failed to reproduce"
+    assert task_text == task and flow_text == flow  # no traceback appended
+    assert flow == "iteration 2 failed at exchange-and-align@it2: InjectedFault: injected fault in exchange-and-align@it2"
+    assert other_exc is not None and "KeyError" in other_text  # not ours: the traceback stays
+    from hacrl.ops.orchestration import TaskCompletedEcho
+
+    echo = TaskCompletedEcho()
+    mk = lambda m: logging.LogRecord("prefect.task_runs", logging.INFO, "", 0, m, (), None)  # noqa: E731
+    assert not echo.filter(mk("Finished in state Completed()")) and echo.filter(mk("Finished in state Failed('x')"))
+
+
 def test_a_failed_stage_is_one_line_naming_its_own_error():
     from hacrl.ops.launch import flow_failure
     from hacrl.ops.orchestration import IterationFailed, failure_reason

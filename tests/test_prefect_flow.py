@@ -176,12 +176,19 @@ def test_failed_stage_marks_the_run_failed_with_a_one_line_reason_and_the_next_r
     fault = json.dumps({"HACRL_FAULT": "raise:exchange-and-align@it2"})
     p = _iterate(served, "--job-variable", f"env={fault}", check=False)
     assert p.returncode != 0
+    # the watched run: the failure in one line, then the end of the stage's output, and no
+    # traceback through Prefect's engine (orchestration.ExpectedFailures)
+    assert "prefect/task_engine.py" not in p.stdout and "prefect/flow_engine.py" not in p.stdout, p.stdout
+    assert "the end of its output (all of it: logs/exchange-and-align@it2.log)" in p.stdout
+    assert len(p.stdout.splitlines()) < 90, p.stdout
+    assert "injected fault" in (served / "logs" / "exchange-and-align@it2.log").read_text()
     failed = _flow_runs(served)[-1]
     assert failed["state_type"] == "FAILED" and failed["name"] == "iterate-it2"
     tasks = _task_runs(served, failed["id"])
     assert tasks["generate-rollouts@it2"]["state_type"] == "COMPLETED"
     assert tasks["verify-rewards@it2"]["state_type"] == "COMPLETED"
     assert tasks["exchange-and-align@it2"]["state_type"] == "FAILED"
+    assert "\n" not in tasks["exchange-and-align@it2"]["state"]["message"]
     assert tasks["exchange-and-align@it2"]["run_count"] == 2  # one retry (orchestration.retries=1)
     assert "update-policies@it2" not in tasks
     logs = _logs(served, failed["id"])

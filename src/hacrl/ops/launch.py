@@ -133,7 +133,7 @@ def _what_it_did(client, task_run_id, stage: str, wait_s: float = 5.0) -> str:
         except Exception:  # noqa: BLE001 - a courtesy line, never a failure
             return ""
         final = [m for log in logs for m in [log.message or ""] if m.startswith(f"{stage}: ")
-                 and (m.endswith(": ran") or "routed to work pool" in m or any(k in m for k in SKIPPED))]
+                 and (m.startswith(f"{stage}: ran") or "routed to work pool" in m or any(k in m for k in SKIPPED))]
         if final:
             return next((v for k, v in SKIPPED.items() if k in final[-1]), "")
         if time.monotonic() > deadline:

@@ -70,7 +70,8 @@ class StageFailed(RuntimeError):
     def __init__(self, stage: str, exit_code: int | None, tail: str) -> None:
         self.stage, self.exit_code, self.tail = stage, exit_code, tail
         code = f"exit {exit_code}" if exit_code is not None else "no exit code"
-        super().__init__(f"stage {stage} failed ({code}):\n{tail}")
+        # one line (Prefect repeats it in the task's state message); the tail is kept apart
+        super().__init__(f"stage {stage} failed ({code}): {self.reason}")
 
     @property
     def retryable(self) -> bool:
@@ -109,6 +110,63 @@ class IterationFailed(RuntimeError):
 
 class LockBusy(RuntimeError):
     """Another iterate run holds the workspace lock."""
+
+
+TAIL_LINES = 20
+
+
+def _expected(exc: BaseException | None) -> BaseException | None:
+    """The failure this project raised on purpose, with a complete message, in ``exc``'s chain."""
+    from hacrl.errors import DataError
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, (StageFailed, IterationFailed, LockBusy, ConfigError, DataError)):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, (StageFailed, IterationFailed, LockBusy)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ExpectedFailures(logging.Filter):
+    """Prefect logs a failed task or flow with the exception's repr and a traceback through its own
+    engine (~120 lines). For the failures this project raises on purpose, whose message is complete
+    (a stage's exit and its own error, a config or data error, a busy workspace), the record keeps
+    one line naming the failure and, for a stage that gave up, the last lines of its output; the
+    traceback goes. Other exceptions keep theirs. Installed on Prefect's run loggers by the tasks
+    module (``tasks/stages.py``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None and isinstance(record.args, tuple):
+            exc = next((a for a in record.args if isinstance(a, BaseException)), None)
+        known = _expected(exc)
+        if known is None:
+            return True
+        text = record.getMessage()
+        for x in {exc, known}:
+            text = text.replace(repr(x), _one_line(known))
+        if "Encountered exception during execution" in text:  # the flow run's end: the reason is the news
+            text = _one_line(known)
+        if isinstance(known, StageFailed) and record.levelno >= logging.ERROR:
+            tail = [ln for ln in known.tail.splitlines() if ln.strip()][-TAIL_LINES:]
+            text += f"\nthe end of its output (all of it: {STAGE_LOG_DIR}/{known.stage}.log):\n" + "\n".join(tail)
+        record.msg, record.args = text, ()
+        record.exc_info = record.exc_text = None
+        return True
+
+
+class TaskCompletedEcho(logging.Filter):
+    """Drops a task run's ``Finished in state Completed()`` log line: the run's Completed event
+    says it on the line before, in the UI and under ``--watch`` (failures keep theirs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Finished in state Completed()"
 
 
 def extend_to(project: Path, n: int) -> dict:
@@ -304,13 +362,49 @@ def task_log_line(line: str) -> str | None:
     return line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " ..."
 
 
+_LOG_RECORD = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+): (.*)$")
+_START_END = re.compile(r"^stage \S+ \(iteration \d+\) (started|finished in ([\d.]+)s)$")
+STAGE_LOG_DIR = "logs"
+"""Where an orchestrated stage's whole output goes (``logs/<stage>.log``, rewritten by each run of
+the stage, not versioned): the task's log in Prefect keeps its figures and warnings."""
+
+
+def task_summary(line: str) -> tuple[int, str] | None:
+    """A line of a stage's output as the task's log in Prefect keeps it, with its level: the
+    stage's figures (INFO lines of ``hacrl`` and the stage modules, the time stamp and logger
+    dropped: Prefect stamps its own) and every warning or error; None for the rest (DVC's lines,
+    the start and end lines, other modules' chatter), which stay in the stage's log file."""
+    shown = task_log_line(line)
+    m = _LOG_RECORD.match(shown or "")
+    if m is None:
+        return None
+    level, name, msg = logging.getLevelName(m.group(1)), m.group(2), m.group(3)
+    if level >= logging.WARNING:
+        return level, f"{m.group(1)} {name}: {msg}"
+    if level == logging.INFO and (name == "hacrl" or name.startswith("hacrl.pipeline.stages.")) \
+            and not _START_END.match(msg):
+        return level, msg
+    return None
+
+
+def stage_seconds(lines: list[str]) -> float | None:
+    """The wall time ``hacrl stage`` said it took (its ``finished in`` line), if it said so."""
+    for ln in reversed(lines):
+        m = _LOG_RECORD.match(ln.strip())
+        e = _START_END.match(m.group(3)) if m else None
+        if e and e.group(2):
+            return float(e.group(2))
+    return None
+
+
 def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str, str] | None = None,
-                  on_line: Callable[[str], None] | None = None) -> str:
+                  on_line: Callable[[str], None] | None = None, log_file: Path | None = None) -> str:
     """``dvc repro --single-item STAGE``; returns ``ran``, ``restored`` (DVC's run cache had
     the outputs of an identical earlier run) or ``up-to-date``.
 
-    Output lines go to ``on_line`` as they come; on failure :class:`StageFailed` carries the
-    stage's exit code (parsed from DVC's message) and the last lines.
+    Output lines go to ``on_line`` as they come (progress bars and DVC's hints left out), and
+    every line to ``log_file`` when given; on failure :class:`StageFailed` carries the stage's
+    exit code (parsed from DVC's message) and the last lines.
     """
     from hacrl.ops.dvc_busy import repair_after_kill
 
@@ -321,19 +415,25 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        lines.append(line)
-        shown = task_log_line(line) if on_line is not None else None
-        if shown is not None:
-            on_line(shown)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") if log_file is not None else contextlib.nullcontext() as f:
+        for line in proc.stdout:
+            if f is not None:
+                f.write(line)
+                f.flush()
+            line = line.rstrip("\n")
+            lines.append(line)
+            shown = task_log_line(line) if on_line is not None else None
+            if shown is not None:
+                on_line(shown)
     rc = proc.wait()
     text = "\n".join(lines)
     if rc != 0:
         m = re.search(r"exited with (-?\d+)", text)
         code = int(m.group(1)) if m else None
-        errors = [ln for ln in lines if "error" in ln.lower() or "Error" in ln]
-        tail = "\n".join((errors[-5:] if errors else []) + lines[-15:])
+        errors = [ln for ln in lines[:-15] if "error" in ln.lower()][-5:]  # earlier than the last lines
+        tail = "\n".join(errors + lines[-15:])
         raise StageFailed(stage, code, tail)
     if f"Running stage '{stage}'" in text:
         return "ran"
