@@ -118,8 +118,8 @@ def store_run(store: Path, name: str, seed: int, run: dict) -> None:
     """Keep a finished run (its curves, overrides and pool) in the store, atomically."""
     store.mkdir(parents=True, exist_ok=True)
     with atomic_path(_store_file(store, name, seed)) as tmp:
-        # mtime 0: the same run gives the same bytes
-        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+        # no name, mtime 0 in the gzip header: the same run gives the same bytes
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
             f.write((json.dumps(run, sort_keys=True) + "\n").encode())
 
 
@@ -279,11 +279,9 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         w = s % warmups
         ovr = ovr + pool_overrides(w)
         used.add(_store_file(store, name, s))
-        if resume and (res := finished_run(name, ovr, s, out, store, pool_of(out, w))):
-            if not _store_file(store, name, s).exists():
-                store_run(store, name, s, {**res, "overrides": ovr + [f"experiment.seed={s}"]})
-            return res
-        res = run_contender(name, ovr, s, out, w)
+        res = ((finished_run(name, ovr, s, out, store, pool_of(out, w)) if resume else None)
+               or run_contender(name, ovr, s, out, w))
+        # (again, for a run found in the scratch directory: the same bytes when the store had it)
         store_run(store, name, s, {**res, "overrides": ovr + [f"experiment.seed={s}"]})
         return res
 
