@@ -19,8 +19,8 @@ import logging
 
 from prefect import get_run_logger, runtime, task
 
-from hacrl.ops.orchestration import (STAGE_LOG_DIR, ExpectedFailures, StageFailed, TaskCompletedEcho, run_dvc_stage,
-                                     stage_seconds, task_summary)
+from hacrl.ops.orchestration import (STAGE_LOG_DIR, ExpectedFailures, StageFailed, TaskCompletedEcho, failure_tail,
+                                     run_dvc_stage, stage_seconds, task_summary)
 from hacrl.ops.tracking import FLOW_RUN_ENV
 
 # what Prefect logs of a run: a failed stage in one line and its output's end, no engine traceback
@@ -56,8 +56,12 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
             logger.debug("%s", line)
 
     log_file = f"{STAGE_LOG_DIR}/{stage}.log"
-    status = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
-                           on_line=on_line, log_file=Path(project_dir) / log_file)
+    try:
+        status = run_dvc_stage(Path(project_dir), stage, force, env={FLOW_RUN_ENV: str(flow_run_id)},
+                               on_line=on_line, log_file=Path(project_dir) / log_file)
+    except StageFailed as e:  # each attempt's end, retried or not (Prefect then logs the one line)
+        logger.error("%s", failure_tail(e))
+        raise
     secs = stage_seconds(lines)
     logger.info("%s: %s", stage, {"ran": f"ran{f' in {secs:.1f}s' if secs is not None else ''} ({log_file})",
                                   "restored": "restored from DVC's run cache",

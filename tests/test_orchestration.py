@@ -217,10 +217,21 @@ def test_a_task_log_keeps_a_stages_figures_and_warnings_and_its_file_keeps_every
         (logging.INFO, "rollouts gpt2-a: samples 64 · tokens 758"),
         (logging.WARNING, "WARNING hacrl.rollout.vllm_engine: vLLM fell back to transformers")]
     assert stage_seconds(out) == 3.3 and stage_seconds(out[:3]) is None
-    # run_dvc_stage writes the whole output to the log file it is given
+    assert task_summary("/x/y.py:3: FutureWarning: old") == (logging.WARNING, "FutureWarning: old")
+    # run_dvc_stage writes the whole output to the log file it is given; a skip keeps the log of
+    # the run that made the outputs; a failure's log is kept
     log_file = dvc_repo / "logs" / "ok.log"
     assert run_dvc_stage(dvc_repo, "ok", force=True, log_file=log_file) == "ran"
     assert "Running stage 'ok'" in log_file.read_text()
+    assert run_dvc_stage(dvc_repo, "ok", log_file=log_file) == "up-to-date"
+    assert "Running stage 'ok'" in log_file.read_text()
+    with pytest.raises(StageFailed):
+        run_dvc_stage(dvc_repo, "crash", log_file=dvc_repo / "logs" / "crash.log")
+    assert "RuntimeError: boom" in (dvc_repo / "logs" / "crash.log").read_text()
+    assert sorted(p.name for p in (dvc_repo / "logs").iterdir()) == ["crash.log", "ok.log"]  # no temporary left
+    # a log that cannot be written is said, and the stage runs
+    (dvc_repo / "nolog").write_text("a file where the log folder would go")
+    assert run_dvc_stage(dvc_repo, "ok", force=True, log_file=dvc_repo / "nolog" / "ok.log") == "ran"
 
 
 def test_a_stage_that_gave_up_is_logged_as_one_line_and_its_outputs_end_not_a_traceback():
@@ -249,15 +260,28 @@ def test_a_stage_that_gave_up_is_logged_as_one_line_and_its_outputs_end_not_a_tr
             raise KeyError("k")
         except KeyError:
             logger.error("something else", exc_info=True)
+        try:  # an error while handling a stage's failure is news: it keeps its traceback
+            try:
+                raise StageFailed("evaluate@it1", 1, "boom")
+            except StageFailed:
+                raise OSError("the tracking store is gone")
+        except OSError:
+            logger.exception("Encountered exception during execution")
     finally:
         logger.removeHandler(handler)
-    (task, _, task_text), (flow, _, flow_text), (other, other_exc, other_text) = records
-    assert task.splitlines()[0] == ("Task run failed with exception: stage exchange-and-align@it2 failed (exit 1): "
-                                    "InjectedFault: injected fault in exchange-and-align@it2 - Retries are exhausted")
-    assert "logs/exchange-and-align@it2.log" in task and task.splitlines()[-1] == "ERROR: failed to reproduce"
+    (task, _, task_text), (flow, _, flow_text), (other, other_exc, other_text), (_, during, during_text) = records
+    assert task == ("Task run failed with exception: stage exchange-and-align@it2 failed (exit 1): "
+                    "InjectedFault: injected fault in exchange-and-align@it2 - Retries are exhausted")
     assert task_text == task and flow_text == flow  # no traceback appended
     assert flow == "iteration 2 failed at exchange-and-align@it2: InjectedFault: injected fault in exchange-and-align@it2"
     assert other_exc is not None and "KeyError" in other_text  # not ours: the traceback stays
+    assert during is not None and "OSError: the tracking store is gone" in during_text
+    # the stage task logs the end of the output itself, each attempt
+    from hacrl.ops.orchestration import failure_tail
+
+    shown = failure_tail(StageFailed("exchange-and-align@it2", 1, tail)).splitlines()
+    assert shown[0] == "the end of exchange-and-align@it2's output (all of it: logs/exchange-and-align@it2.log):"
+    assert shown[-1] == "ERROR: failed to reproduce" and len(shown) <= 13
     from hacrl.ops.orchestration import TaskCompletedEcho
 
     echo = TaskCompletedEcho()

@@ -179,7 +179,7 @@ def test_failed_stage_marks_the_run_failed_with_a_one_line_reason_and_the_next_r
     # the watched run: the failure in one line, then the end of the stage's output, and no
     # traceback through Prefect's engine (orchestration.ExpectedFailures)
     assert "prefect/task_engine.py" not in p.stdout and "prefect/flow_engine.py" not in p.stdout, p.stdout
-    assert "the end of its output (all of it: logs/exchange-and-align@it2.log)" in p.stdout
+    assert "the end of exchange-and-align@it2's output (all of it: logs/exchange-and-align@it2.log)" in p.stdout
     assert len(p.stdout.splitlines()) < 90, p.stdout
     assert "injected fault" in (served / "logs" / "exchange-and-align@it2.log").read_text()
     failed = _flow_runs(served)[-1]

@@ -223,8 +223,9 @@ def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypa
     st = SUITES["hacpo"]["settings"]["shared_tok"]
     out = tmp_path / "w" / "hacpo" / "shared_tok"
     done = {"contender": "gspo", "seed": 0, "agents": {"a": {"eval_accuracy": [0.1, 0.3], "rollouts": [0, 8]}}}
+    ovr = st["base"] + SUITES["hacpo"]["all"]["gspo"] + ["experiment.seed=0"]
     write_json(out / "gspo" / "seed0" / compare.RESULT_FILE,
-               {**done, "overrides": st["base"] + SUITES["hacpo"]["all"]["gspo"] + ["experiment.seed=0"]})
+               {**done, "overrides": ovr, "config": compare.config_key(compare._cfg(ovr, out / "runs", out / "reports"))})
     # another contender's file written with other overrides (another pool) is not reused
     write_json(out / "hacpo" / "seed0" / compare.RESULT_FILE, {**done, "contender": "hacpo", "overrides": ["x"]})
     compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
@@ -258,7 +259,9 @@ def test_a_fresh_checkout_resumes_from_the_runs_kept_with_the_report(tmp_path, m
         write_json(compare.base_dir(out, warmup) / "prepared.json", {"key": "k", "pool": pool["fp"]})
 
     def fake_run(name, overrides, seed, out, warmup=0):
-        return {**_fake(ran)(name, overrides, seed, out, warmup), "pool": compare.pool_of(out, warmup)}
+        cfg = compare._cfg(overrides + [f"experiment.seed={seed}"], out / "runs", out / "reports")
+        return {**_fake(ran)(name, overrides, seed, out, warmup), "pool": compare.pool_of(out, warmup),
+                "config": compare.config_key(cfg)}
 
     monkeypatch.setattr(compare, "prepare_base", fake_prepare)
     monkeypatch.setattr(compare, "run_contender", fake_run)
@@ -275,6 +278,18 @@ def test_a_fresh_checkout_resumes_from_the_runs_kept_with_the_report(tmp_path, m
     pool["fp"] = "bbbb"
     compare.run_suite("hacpo", 2, work_dir=tmp_path / "w3", **kw)
     assert len(ran) == 8
+    # a default of conf/ changed (the same overrides compose another config): every run again
+    real_key = compare.config_key
+    monkeypatch.setattr(compare, "config_key", lambda cfg: "other" + real_key(cfg))
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w4", **kw)
+    assert len(ran) == 12
+    monkeypatch.setattr(compare, "config_key", real_key)
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w5", **kw)
+    assert len(ran) == 16
+    # a damaged kept file (here a git-LFS pointer) is done again, not a crash
+    (store / "gspo__seed0.json.gz").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    compare.run_suite("hacpo", 2, work_dir=tmp_path / "w6", **kw)
+    assert len(ran) == 17 and ran[-1][:2] == ("gspo", 0)
     # another base (a new report): the old report's runs leave the store with it
     compare.run_suite("hacpo", 1, ["rollout.group_size=4"], work_dir=tmp_path / "w3", **{**kw, "contenders": ["gspo"]})
-    assert len(ran) == 9 and sorted(f.name for f in store.iterdir()) == ["gspo__seed0.json.gz"]
+    assert len(ran) == 18 and sorted(f.name for f in store.iterdir()) == ["gspo__seed0.json.gz"]

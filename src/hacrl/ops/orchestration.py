@@ -112,19 +112,27 @@ class LockBusy(RuntimeError):
     """Another iterate run holds the workspace lock."""
 
 
-TAIL_LINES = 20
+TAIL_LINES = 12
+"""How many of a failed stage's last output lines its task's log shows (all of them: ``logs/STAGE.log``)."""
 
 
 def _expected(exc: BaseException | None) -> BaseException | None:
-    """The failure this project raised on purpose, with a complete message, in ``exc``'s chain."""
+    """The failure this project raised on purpose, with a complete message: ``exc`` or what it was
+    raised from (not an exception that happened while handling one: that keeps its traceback)."""
     from hacrl.errors import DataError
 
     seen = 0
     while exc is not None and seen < 10:
         if isinstance(exc, (StageFailed, IterationFailed, LockBusy, ConfigError, DataError)):
             return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+        exc, seen = exc.__cause__, seen + 1
     return None
+
+
+def failure_tail(e: StageFailed) -> str:
+    """The end of a failed stage's output, as its task's log shows it."""
+    tail = [ln for ln in e.tail.splitlines() if ln.strip()][-TAIL_LINES:]
+    return f"the end of {e.stage}'s output (all of it: {STAGE_LOG_DIR}/{e.stage}.log):\n" + "\n".join(tail)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -137,9 +145,9 @@ class ExpectedFailures(logging.Filter):
     """Prefect logs a failed task or flow with the exception's repr and a traceback through its own
     engine (~120 lines). For the failures this project raises on purpose, whose message is complete
     (a stage's exit and its own error, a config or data error, a busy workspace), the record keeps
-    one line naming the failure and, for a stage that gave up, the last lines of its output; the
-    traceback goes. Other exceptions keep theirs. Installed on Prefect's run loggers by the tasks
-    module (``tasks/stages.py``)."""
+    one line naming the failure and the traceback goes (the stage task logs the end of the stage's
+    output itself: :func:`failure_tail`). Other exceptions keep theirs. Installed on Prefect's run
+    loggers by the tasks module (``tasks/stages.py``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -148,14 +156,14 @@ class ExpectedFailures(logging.Filter):
         known = _expected(exc)
         if known is None:
             return True
-        text = record.getMessage()
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed call is logging's to report, not ours
+            return True
         for x in {exc, known}:
             text = text.replace(repr(x), _one_line(known))
         if "Encountered exception during execution" in text:  # the flow run's end: the reason is the news
             text = _one_line(known)
-        if isinstance(known, StageFailed) and record.levelno >= logging.ERROR:
-            tail = [ln for ln in known.tail.splitlines() if ln.strip()][-TAIL_LINES:]
-            text += f"\nthe end of its output (all of it: {STAGE_LOG_DIR}/{known.stage}.log):\n" + "\n".join(tail)
         record.msg, record.args = text, ()
         record.exc_info = record.exc_text = None
         return True
@@ -166,7 +174,7 @@ class TaskCompletedEcho(logging.Filter):
     says it on the line before, in the UI and under ``--watch`` (failures keep theirs)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Finished in state Completed()"
+        return not (record.msg == "Finished in state Completed()" and not record.args)
 
 
 def extend_to(project: Path, n: int) -> dict:
@@ -369,12 +377,19 @@ STAGE_LOG_DIR = "logs"
 the stage, not versioned): the task's log in Prefect keeps its figures and warnings."""
 
 
+_PY_WARNING = re.compile(r"^\S.*:\d+: (\w*Warning): (.*)$")
+
+
 def task_summary(line: str) -> tuple[int, str] | None:
     """A line of a stage's output as the task's log in Prefect keeps it, with its level: the
     stage's figures (INFO lines of ``hacrl`` and the stage modules, the time stamp and logger
-    dropped: Prefect stamps its own) and every warning or error; None for the rest (DVC's lines,
-    the start and end lines, other modules' chatter), which stay in the stage's log file."""
+    dropped: Prefect stamps its own) and every warning or error (Python's ``warnings`` too); None
+    for the rest (DVC's lines, the start and end lines, other modules' chatter), which stay in the
+    stage's log file."""
     shown = task_log_line(line)
+    w = _PY_WARNING.match(shown or "")
+    if w is not None:
+        return logging.WARNING, f"{w.group(1)}: {w.group(2)}"
     m = _LOG_RECORD.match(shown or "")
     if m is None:
         return None
@@ -415,29 +430,70 @@ def run_dvc_stage(project: Path, stage: str, force: bool = False, env: dict[str,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
     assert proc.stdout is not None
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") if log_file is not None else contextlib.nullcontext() as f:
+    out = _StageLog(log_file)
+    try:
         for line in proc.stdout:
-            if f is not None:
-                f.write(line)
-                f.flush()
+            out.write(line)
             line = line.rstrip("\n")
             lines.append(line)
             shown = task_log_line(line) if on_line is not None else None
             if shown is not None:
                 on_line(shown)
-    rc = proc.wait()
+        rc = proc.wait()
+    except BaseException:  # a dvc left running (blocked on its pipe) would hold DVC's lock
+        proc.kill()
+        proc.wait()
+        out.close(keep=False)
+        raise
     text = "\n".join(lines)
+    ran = f"Running stage '{stage}'" in text
+    out.close(keep=ran or rc != 0)  # a skipped stage keeps the log of the run that made its outputs
     if rc != 0:
         m = re.search(r"exited with (-?\d+)", text)
         code = int(m.group(1)) if m else None
         errors = [ln for ln in lines[:-15] if "error" in ln.lower()][-5:]  # earlier than the last lines
         tail = "\n".join(errors + lines[-15:])
         raise StageFailed(stage, code, tail)
-    if f"Running stage '{stage}'" in text:
+    if ran:
         return "ran"
     return "restored" if f"Stage '{stage}' is cached" in text else "up-to-date"
+
+
+class _StageLog:
+    """A stage's whole output, written beside its final name and renamed there when kept; best
+    effort (a log that cannot be written is said once, and the stage goes on)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self.f = path, None
+        if path is None:
+            return
+        self.tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(self.tmp, "w")
+        except OSError as e:
+            log.warning("the stage's output is not kept in %s: %s", path, e)
+
+    def write(self, line: str) -> None:
+        if self.f is None:
+            return
+        try:
+            self.f.write(line)
+            self.f.flush()
+        except OSError as e:
+            log.warning("the stage's output is not kept in %s: %s", self.path, e)
+            self.close(keep=False)
+
+    def close(self, keep: bool) -> None:
+        if self.f is None:
+            return
+        f, self.f = self.f, None
+        with contextlib.suppress(OSError):
+            f.close()
+            if keep:
+                os.replace(self.tmp, self.path)
+        with contextlib.suppress(OSError):
+            self.tmp.unlink(missing_ok=True)
 
 
 def iteration_markdown(project: Path, cfg, t: int, stages: dict[str, str], mlflow_ui: str | None = None) -> str:

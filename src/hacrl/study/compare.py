@@ -89,13 +89,22 @@ def prepare_base(base_overrides: list[str], out: Path, warmup: int = 0) -> Confi
 
 
 def pool_fingerprint(base: Path) -> str:
-    """A digest of a prepared pool's iteration-0 weights: a stored run is reused only on the pool it
+    """A digest of what a run starts from: the prepared pool's iteration-0 weights and the task
+    data (every file under ``base/data``). A stored run is reused only on the pool and data it
     started from (a pool prepared again on another machine must come out bit for bit the same)."""
-    ckpt = RunLayout(base / "runs").checkpoints(0)
     h = hashlib.sha256()
-    for f in sorted(x for x in ckpt.rglob("*") if x.is_file() and x.name != MANIFEST):
-        h.update(f"{f.relative_to(ckpt).as_posix()}\0{file_md5(f)}\n".encode())
+    for root in (RunLayout(base / "runs").checkpoints(0), base / "data"):
+        for f in sorted(x for x in root.rglob("*") if x.is_file() and x.name != MANIFEST):
+            h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0{file_md5(f)}\n".encode())
     return h.hexdigest()[:16]
+
+
+def config_key(cfg: Config) -> str:
+    """A digest of a run's composed config, its scratch paths left out: a stored run is reused only
+    under the same settings, defaults of ``conf/`` included (the overrides alone do not say them)."""
+    data = dataclasses.asdict(cfg)
+    data["experiment"] = {k: v for k, v in data["experiment"].items() if k not in ("runs_dir", "reports_dir")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def pool_of(out: Path, warmup: int) -> str | None:
@@ -124,11 +133,16 @@ def store_run(store: Path, name: str, seed: int, run: dict) -> None:
 
 
 def stored_run(store: Path, name: str, seed: int) -> dict | None:
+    """A kept run, or None (also for a file that cannot be read: the run is done again)."""
     f = _store_file(store, name, seed)
     if not f.exists():
         return None
-    with gzip.open(f, "rt") as fh:
-        return json.load(fh)
+    try:
+        with gzip.open(f, "rt") as fh:
+            return json.load(fh)
+    except (OSError, EOFError, ValueError) as e:  # damaged, or a git-LFS pointer
+        log.warning("%s cannot be read (%s): the run is done again", f, e)
+        return None
 
 
 RESULT_FILE = "result.json"
@@ -136,14 +150,14 @@ RESULT_FILE = "result.json"
 
 
 def finished_run(name: str, overrides: list[str], seed: int, out: Path, store: Path | None = None,
-                 pool: str | None = None) -> dict | None:
+                 pool: str | None = None, config: str | None = None) -> dict | None:
     """The curves an earlier (interrupted) suite wrote for this contender and seed -- in the scratch
-    directory, else in the report's store -- if its overrides and warm-up pool were the same; None
-    otherwise."""
+    directory, else in the report's store -- if its overrides, composed config and warm-up pool
+    were the same; None otherwise."""
     f = out / name / f"seed{seed}" / RESULT_FILE
     for res in (read_json(f) if f.exists() else None, stored_run(store, name, seed) if store else None):
         if (res is not None and res.pop("overrides", None) == overrides + [f"experiment.seed={seed}"]
-                and (pool is None or res.get("pool") == pool)):
+                and (pool is None or res.get("pool") == pool) and (config is None or res.get("config") == config)):
             return res
     return None
 
@@ -163,7 +177,7 @@ def run_contender(name: str, overrides: list[str], seed: int, out: Path, warmup:
     agents = [a.name for a in cfg.agents]
     per_iter = cfg.rollout.prompts_per_iteration * cfg.samples_per_prompt  # rollouts per agent
     res = {"contender": name, "seed": seed, "warmup": warmup, "pool": pool_of(out, warmup),
-           "algorithm": cfg.algorithm.name,
+           "config": config_key(cfg), "algorithm": cfg.algorithm.name,
            "eval_split": cfg.eval.split, "seconds": round(time.time() - t0, 1),
            "stage_seconds": {k: round(v, 1) for k, v in timings.items()},
            "rollouts_per_agent_per_iteration": per_iter, "agents": {}}
@@ -279,7 +293,8 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         w = s % warmups
         ovr = ovr + pool_overrides(w)
         used.add(_store_file(store, name, s))
-        res = ((finished_run(name, ovr, s, out, store, pool_of(out, w)) if resume else None)
+        key = config_key(_cfg(ovr + [f"experiment.seed={s}"], out / "runs", out / "reports")) if resume else None
+        res = ((finished_run(name, ovr, s, out, store, pool_of(out, w), key) if resume else None)
                or run_contender(name, ovr, s, out, w))
         # (again, for a run found in the scratch directory: the same bytes when the store had it)
         store_run(store, name, s, {**res, "overrides": ovr + [f"experiment.seed={s}"]})
@@ -330,11 +345,11 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
             log.info("kept %d runs of the earlier report", len(results) - len(ran))
             used.update(_store_file(store, r["contender"], r["seed"]) for r in results)
             used.update(f for f in store.glob("tune__*") if tuning and old.get("tuning"))
+    report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,
+                          suite, setting, tuning, warmups)
+    write_index(suite_dir, suite)
     # the store holds this report's runs only (a run of other overrides was rerun or dropped)
     for f in store.glob("*.json.gz"):
         if f not in used:
             f.unlink()
-    report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,
-                          suite, setting, tuning, warmups)
-    write_index(suite_dir, suite)
     return report
