@@ -13,9 +13,8 @@ has, and with a label tag (``hacrl``) that asked-for slot held some task starts 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 from prefect import get_run_logger, runtime, task
 
@@ -45,10 +44,12 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
     """Run one DVC stage (``name@itT``); return ``ran``, ``restored`` or ``up-to-date``."""
     logger = get_run_logger()
     flow_run_id = runtime.flow_run.root_flow_run_id or runtime.flow_run.id or ""
-    lines: list[str] = []
+    secs: float | None = None
 
     def on_line(line: str) -> None:  # the stage's figures and warnings; the rest stays in its log file
-        lines.append(line)
+        nonlocal secs
+        took = stage_seconds([line])  # its "finished in" line (0.0 s is a time too)
+        secs = secs if took is None else took
         shown = task_summary(line)
         if shown is not None:
             logger.log(shown[0], "%s", shown[1])
@@ -62,7 +63,6 @@ def dvc_stage(project_dir: str, stage: str, force: bool = False) -> str:
     except StageFailed as e:  # each attempt's end, retried or not (Prefect then logs the one line)
         logger.error("%s", failure_tail(e))
         raise
-    secs = stage_seconds(lines)
     logger.info("%s: %s", stage, {"ran": f"ran{f' in {secs:.1f}s' if secs is not None else ''} ({log_file})",
                                   "restored": "restored from DVC's run cache",
                                   "up-to-date": "up to date (DVC), skipped"}[status])

@@ -76,7 +76,8 @@ def prepare_base(base_overrides: list[str], out: Path, warmup: int = 0) -> Confi
                       "seed": cfg.experiment.seed, "pool_seed": cfg.experiment.pool_seed,
                       "eval": dataclasses.asdict(cfg.eval)}, sort_keys=True)
     stamp = base / "prepared.json"
-    if stamp.exists() and read_json(stamp).get("key") == key and "pool" in read_json(stamp):
+    prepared = read_json(stamp) if stamp.exists() else {}
+    if prepared.get("key") == key and "pool" in prepared:
         log.info("reusing the prepared pool in %s", base)
         return cfg
     shutil.rmtree(base, ignore_errors=True)
@@ -344,7 +345,8 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
             tuning = tuning or old.get("tuning")
             log.info("kept %d runs of the earlier report", len(results) - len(ran))
             used.update(_store_file(store, r["contender"], r["seed"]) for r in results)
-            used.update(f for f in store.glob("tune__*") if tuning and old.get("tuning"))
+            if tuning and old.get("tuning"):  # the earlier report's tuning runs stay its raw data
+                used.update(store.glob("tune__*"))
     report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,
                           suite, setting, tuning, warmups)
     write_index(suite_dir, suite)
