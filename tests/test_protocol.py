@@ -293,3 +293,39 @@ def test_a_fresh_checkout_resumes_from_the_runs_kept_with_the_report(tmp_path, m
     # another base (a new report): the old report's runs leave the store with it
     compare.run_suite("hacpo", 1, ["rollout.group_size=4"], work_dir=tmp_path / "w3", **{**kw, "contenders": ["gspo"]})
     assert len(ran) == 18 and sorted(f.name for f in store.iterdir()) == ["gspo__seed0.json.gz"]
+
+
+def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_without_runs(tmp_path):
+    """The step-size section reads "small" per model (update-to-weight norm, KL per update), not
+    from the lr; ``--report-only`` writes a finished setting's report again from results.json."""
+    from hacrl.study.report import step_lines, write_report
+
+    def with_train(r, peer=None):
+        for a, ag in r["agents"].items():
+            ag["kl"] = [None, 0.0, 0.02, 0.04]
+            ag["train"] = [{"updates": 2, "update_to_weight": 1e-3 * (t + 1),
+                            **({f"ratio/{peer}/q10": 0.2, f"ratio/{peer}/q50": 0.5, f"ratio/{peer}/q90": 0.9,
+                                f"ratio/{peer}/clipped_below": 0.6, f"ratio/{peer}/clipped_above": 0.1,
+                                f"ratio/{a}/q50": 1.0} if peer else {})} for t in range(3)]
+        return r
+
+    runs = [with_train(run(c, s, {"a": [0.1, 0.2, 0.3, 0.4]}), peer="b" if c == "hacpo" else None)
+            for c in ("gspo", "hacpo", "hacpo_cw0") for s in range(2)]
+    lines = "\n".join(step_lines(runs, ["a"]))
+    # kl[3] = 0.04 was measured after the 2 + 2 updates of iterations 1 and 2
+    assert "| gspo | a | 2.0 | 2.00e-03 | 0.0400 | 1.0e-02 | - |" in lines
+    assert "| hacpo | a | 2.0 | 2.00e-03 | 0.0400 | 1.0e-02 | b: 0.20 / 0.50 / 0.90 (60% below, 10% above) |" in lines
+    assert step_lines([run("gspo", 0, {"a": [0.1, 0.2]})], ["a"]) == []  # no training figures, no section
+    st = SUITES["hacpo"]["settings"]["shared_tok"]
+    out = tmp_path / "hacpo" / "shared_tok"
+    write_report(runs, {**st, "claims": SUITES["hacpo"]["claims"]}, out, 60.0, st["base"], "hacpo", "shared_tok")
+    readme = out / "README.md"
+    readme.write_text("stale")
+    assert compare.rewrite_report("hacpo", "shared_tok", tmp_path) == out
+    text = readme.read_text()
+    assert text.startswith("**Primary contrast**") and "## Step size per model and the cross ratios" in text
+    assert (tmp_path / "hacpo" / "README.md").exists()
+    with pytest.raises(compare.ConfigError, match="does not exist"):
+        compare.rewrite_report("hacpo", "worked", tmp_path)
+    with pytest.raises(compare.ConfigError, match="invalid value"):
+        compare.rewrite_report("hacpo", "nope", tmp_path)

@@ -247,8 +247,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hacrl.study.compare import run_suite
+    from hacrl.study.compare import rewrite_report, run_suite
 
+    if args.report_only:
+        print(f"report: {rewrite_report(args.suite, args.setting, args.reports_dir) / 'README.md'}")
+        return 0
     contenders = args.contenders.split(",") if args.contenders else None
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
                     resume=args.resume, dry_run=args.dry_run, tune=args.tune, tune_seeds=args.tune_seeds,
@@ -467,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--resume", action="store_true",
                     help="reuse runs an interrupted suite finished (same overrides; the code is assumed unchanged)")
     cp.add_argument("--dry-run", action="store_true", help="validate every contender's config and print the plan")
+    cp.add_argument("--report-only", action="store_true",
+                    help="write the setting's report again from its results.json (new tables or claims), run nothing")
     cp.add_argument("--tune", action="append", default=None, metavar="KEY=V1,V2",
                     help="choose this setting per contender on the dev split first (repeat for a grid), "
                          "e.g. --tune trainer.lr=1e-4,3e-4,5e-4")

@@ -230,6 +230,27 @@ def resolve(overrides: list[str], n_agents: int) -> list[str]:
     return [o.replace("{n_agents}", str(n_agents)) for o in overrides]
 
 
+def rewrite_report(suite: str, setting: str = "default", reports_dir: str | os.PathLike = "reports") -> Path:
+    """Write ``reports/<suite>/<setting>/`` again from its ``results.json``, running nothing: a
+    change to the report's tables, claims or plots reaches a finished suite without its hours of
+    runs. The runs, their overrides and the dev sweep are the file's; the setting's declared
+    primary contrast and the suite's claims are read from :data:`SUITES` as they are now."""
+    if suite not in SUITES or setting not in SUITES[suite]["settings"]:
+        raise ConfigError(f"suite/setting: invalid value {suite}/{setting} (choose from "
+                          + ", ".join(f"{s}/{x}" for s in SUITES for x in SUITES[s]["settings"]) + ")")
+    suite_dir = Path(reports_dir).resolve() / suite
+    res_file = suite_dir / setting / "results.json"
+    if not res_file.exists():
+        raise ConfigError(f"--report-only: {res_file} does not exist (run the suite first)")
+    old = read_json(res_file)
+    spec = SUITES[suite]
+    report = write_report(old["runs"], {**spec["settings"][setting], "claims": spec["claims"]}, suite_dir / setting,
+                          old.get("wall_seconds", 0.0), old.get("overrides", []), suite, setting, old.get("tuning"),
+                          old.get("warmups", 1))
+    write_index(suite_dir, suite)
+    return report
+
+
 def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_dir: str | os.PathLike = "compare",
               reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
               setting: str = "default", resume: bool = False, dry_run: bool = False,

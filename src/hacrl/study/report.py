@@ -202,6 +202,59 @@ def rescue_lines(results: list[dict], agents: list[str]) -> list[str]:
             "| acc. on prompts rescued earlier (%) |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def step_lines(results: list[dict], agents: list[str]) -> list[str]:
+    """A README section on how large each model's steps were and where the cross ratios fell, per
+    agent and contender: optimizer updates per iteration; ``||delta theta|| / ||theta||`` per
+    update; the KL to the initial model at the last measurement and that KL over the updates taken
+    before it; per peer the cross ratio's 10th / 50th / 90th percentile and the shares below and
+    above the clip window (means over iterations and seeds). A "small step" is read here, per
+    model, not from the lr: the same lr moves a 270M pretrained model and a 60k-weight toy by very
+    different amounts."""
+    rows = []
+    for c in dict.fromkeys(r["contender"] for r in results):
+        rs = [r for r in results if r["contender"] == c]
+        for a in agents:
+            train = [x for r in rs for x in r["agents"][a].get("train", [])]
+            if not train:
+                continue
+
+            def mean(key: str, train: list[dict] = train) -> float | None:
+                vals = [x[key] for x in train if x.get(key) is not None]
+                return float(np.mean(vals)) if vals else None
+
+            kl_per_update, kl_last = [], []
+            for r in rs:  # kl[t]: before iteration t's step, so after the updates of iterations 1..t-1
+                kl = r["agents"][a].get("kl") or []
+                upd = [x.get("updates", 0) for x in r["agents"][a].get("train", [])]
+                last = max((t for t, v in enumerate(kl) if v is not None and t >= 2), default=None)
+                if last is not None and sum(upd[:last - 1]) > 0:
+                    kl_last.append(kl[last])
+                    kl_per_update.append(kl[last] / sum(upd[:last - 1]))
+            peers = sorted({k.split("/")[1] for x in train for k in x
+                            if k.startswith("ratio/") and k.split("/")[1] != a})
+            ratios = []
+            for peer in peers:
+                q = [mean(f"ratio/{peer}/{k}") for k in ("q10", "q50", "q90", "clipped_below", "clipped_above")]
+                if None not in q:
+                    ratios.append(f"{peer}: {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} ({100 * q[3]:.0f}% below, "
+                                  f"{100 * q[4]:.0f}% above)")
+            upd, utw = mean("updates"), mean("update_to_weight")
+            rows.append(f"| {c} | {a} | {f'{upd:.1f}' if upd is not None else '-'} | "
+                        f"{f'{utw:.2e}' if utw is not None else '-'} | "
+                        f"{f'{np.mean(kl_last):.4f}' if kl_last else '-'} | "
+                        f"{f'{np.mean(kl_per_update):.1e}' if kl_per_update else '-'} | {'; '.join(ratios) or '-'} |")
+    if not rows:
+        return []
+    return ["## Step size per model and the cross ratios", "",
+            "How far each update moved each model, whatever its lr: optimizer updates per iteration; the "
+            "update-to-weight norm ||delta theta|| / ||theta|| per update; KL(policy || initial) at the last "
+            "measurement (before the last step) and that KL divided by the updates taken before it. Then, per "
+            "peer, the cross ratio's 10th / 50th / 90th percentile with the shares of cross samples below and "
+            "above the clip window (the window passes gradient; means over iterations and seeds).", "",
+            "| contender | agent | updates / iteration | update / weight norm | KL to initial | KL per update "
+            "| cross ratio q10 / q50 / q90 per peer |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def tuning_lines(tuning: dict | None) -> list[str]:
     """What the dev sweep chose per contender, and from which dev scores."""
     if not tuning:
@@ -248,7 +301,9 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
     lines = [primary_line(prim) if prim else "Primary contrast: its two contenders did not both run.", "", title, "",
              *([spec["about"], ""] if spec.get("about") else []),
              f"Seeds {seeds} on {warmups} warm-up pool{'s' if warmups > 1 else ''} (seed s uses pool s mod "
-             f"{warmups}); overrides {' '.join(overrides) or '(none)'}; compute {wall_s / 60:.0f} min (the runs' own times, the dev sweep's {(tuning or {}).get('seconds', 0) / 60:.0f} min included). "
+             f"{warmups}); overrides {' '.join(overrides) or '(none)'}; compute {wall_s / 60:.0f} min (the runs' own times"
+             + (f", the dev sweep's {tuning['seconds'] / 60:.0f} min included" if (tuning or {}).get("seconds") else "")
+             + "). "
              + (f"KL: coefficient {kl} (k3 to the initial model, on the learner's own samples) for every "
                 "contender alike. " if kl else "KL: off. ")
              + "Final = held-out greedy accuracy after the last iteration, mean +- std over seeds; AUC = mean "
@@ -262,6 +317,7 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
             lines.append(f"| {c} | {100 * row['final_mean']:.1f} +- {100 * row['final_std']:.1f} | "
                          f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
         lines.append("")
+    lines += step_lines(results, agents)
     lines += rescue_lines(results, agents)
     lines += ["## Secondary claims, paired by seed", "",
               f"Difference (better - worse) of the {'AUC' if endpoint == 'auc' else 'final held-out accuracy'} in "
