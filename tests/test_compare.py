@@ -2,12 +2,12 @@
 prompts per seed) and the report is written with its primary contrast, tables, plots and claims.
 The protocol's bookkeeping and statistics without training: tests/test_protocol.py."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from hacrl.study.runstore import load_results
 from hacrl.study.suites import SUITES
 
 from conftest import SMOKE
@@ -22,7 +22,7 @@ def test_smoke_suite_writes_the_comparison_report(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     out = tmp_path / "r" / "hacpo" / "default"
-    res = json.loads((out / "results.json").read_text())
+    res = load_results(out)
     contenders = set(SUITES["hacpo"]["settings"]["default"]["contenders"])
     assert {r["contender"] for r in res["runs"]} == contenders and len(res["runs"]) == 2 * len(contenders)
     by = {(r["contender"], r["seed"]): r for r in res["runs"]}
@@ -60,7 +60,7 @@ def test_smoke_mutual_suite_writes_signatures_and_rescues(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stderr[-3000:]
     out = tmp_path / "r" / "mutual" / "default"
-    res = json.loads((out / "results.json").read_text())
+    res = load_results(out)
     by = {r["contender"]: r["agents"]["gpt2-a"] for r in res["runs"]}
     assert set(by) == {"grpo", "prp", "prp_thl", "xgrpo", "sgt", "sgt_nll0", "sgt_oracle"}
     # SGT's control (lambda 0) is GRPO: the row filter and the weightless rescues change nothing

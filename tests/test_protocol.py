@@ -10,6 +10,7 @@ import pytest
 from hacrl.study import compare
 from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
 from hacrl.study.report import MAX_LINES, STYLES, plot_groups
+from hacrl.study.runstore import STORE_DIR, load_results
 from hacrl.study.suites import SUITES
 
 
@@ -162,7 +163,7 @@ def test_the_dev_sweep_chooses_on_dev_with_disjoint_seeds_and_the_report_says_so
     # warm-up pools: seed s starts from pool s mod 2 (pool 1 with its own seed)
     assert {(r[1], r[2]) for r in reported} == {(0, 0), (1, 1), (2, 0)}
     assert all(("experiment.pool_seed=1" in r[3]) == (r[2] == 1) for r in ran)
-    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    res = load_results(tmp_path / "r" / "hacpo" / "shared_tok")
     assert res["tuning"]["chosen"] == {"gspo": "trainer.lr=1e-4", "hacpo": "trainer.lr=3e-4",
                                        "hacpo_cw0": "trainer.lr=1e-4"} and res["warmups"] == 2
     readme = (tmp_path / "r" / "hacpo" / "shared_tok" / "README.md").read_text()
@@ -179,7 +180,7 @@ def test_a_variant_of_a_method_takes_the_methods_chosen_setting_without_its_own_
                       contenders=["gspo", "hacpo-adv", "hacpo-clip"], tune=["trainer.lr=1e-4,3e-4"], tune_seeds=1)
     assert sorted({r[0].split("/")[1] for r in ran if r[0].startswith("tune/")}) == ["gspo", "hacpo"]
     assert all(r[3][-1] == "trainer.lr=3e-4" for r in ran if r[0].startswith("hacpo-"))
-    res = json.loads((tmp_path / "r" / "hacpo" / "default" / "results.json").read_text())
+    res = load_results(tmp_path / "r" / "hacpo" / "default")
     assert res["tuning"]["tuned_as"] == {"hacpo-adv": "hacpo", "hacpo-clip": "hacpo"}
     assert res["tuning"]["chosen"]["hacpo-adv"] == "trainer.lr=3e-4" and "hacpo-adv" not in res["tuning"]["dev_scores"]
     readme = (tmp_path / "r" / "hacpo" / "default" / "README.md").read_text()
@@ -204,13 +205,13 @@ def test_a_probe_is_added_to_a_finished_report(tmp_path, monkeypatch):
     kw = dict(work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok")
     compare.run_suite("hacpo", 2, **kw)
     compare.run_suite("hacpo", 2, contenders=["gspo_lr3e4", "hacpo_lr3e4"], **kw)
-    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    res = load_results(tmp_path / "r" / "hacpo" / "shared_tok")
     assert {r["contender"] for r in res["runs"]} == {*SUITES["hacpo"]["settings"]["shared_tok"]["contenders"],
                                                      "gspo_lr3e4", "hacpo_lr3e4"}
     assert len(res["runs"]) == 2 * (len(SUITES["hacpo"]["settings"]["shared_tok"]["contenders"]) + 2)
     # a different base (another pool) starts a new report
     compare.run_suite("hacpo", 2, ["rollout.group_size=4"], contenders=["gspo"], **kw)
-    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    res = load_results(tmp_path / "r" / "hacpo" / "shared_tok")
     assert {r["contender"] for r in res["runs"]} == {"gspo"}
 
 
@@ -231,7 +232,7 @@ def test_resume_reuses_the_runs_an_interrupted_suite_finished(tmp_path, monkeypa
     compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
                       contenders=["gspo", "hacpo"], resume=True)
     assert [r[0] for r in ran] == ["hacpo"]
-    res = json.loads((tmp_path / "r" / "hacpo" / "shared_tok" / "results.json").read_text())
+    res = load_results(tmp_path / "r" / "hacpo" / "shared_tok")
     assert {r["contender"]: r["agents"]["a"]["eval_accuracy"][-1] for r in res["runs"]} == {"gspo": 0.3, "hacpo": pytest.approx(0.15)}
 
 
@@ -267,7 +268,7 @@ def test_a_fresh_checkout_resumes_from_the_runs_kept_with_the_report(tmp_path, m
     monkeypatch.setattr(compare, "run_contender", fake_run)
     kw = dict(reports_dir=tmp_path / "r", setting="shared_tok", contenders=["gspo", "hacpo"], resume=True)
     compare.run_suite("hacpo", 2, work_dir=tmp_path / "w1", **kw)
-    store = tmp_path / "r" / "hacpo" / "shared_tok" / compare.STORE_DIR
+    store = tmp_path / "r" / "hacpo" / "shared_tok" / STORE_DIR
     assert len(ran) == 4 and sorted(f.name for f in store.iterdir()) == [
         "gspo__seed0.json.gz", "gspo__seed1.json.gz", "hacpo__seed0.json.gz", "hacpo__seed1.json.gz"]
     first = (store / "gspo__seed0.json.gz").read_bytes()
@@ -319,6 +320,15 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
     st = SUITES["hacpo"]["settings"]["shared_tok"]
     out = tmp_path / "hacpo" / "shared_tok"
     write_report(runs, {**st, "claims": SUITES["hacpo"]["claims"]}, out, 60.0, st["base"], "hacpo", "shared_tok")
+    # results.json lists the runs; each is kept once, in the store
+    listed = json.loads((out / "results.json").read_text())["runs"]
+    assert listed[0] == {"contender": "gspo", "seed": 0, "file": "runs/gspo__seed0.json.gz"}
+    assert load_results(out)["runs"] == runs
+    # a kept run keeps the pool's agent order (the report's panel and table order), not sorted keys
+    from hacrl.study.runstore import store_run, stored_run
+
+    store_run(tmp_path / "s", "x", 0, {"agents": {"qwen2-small": 1, "qwen2-large": 2}})
+    assert list(stored_run(tmp_path / "s", "x", 0)["agents"]) == ["qwen2-small", "qwen2-large"]
     readme = out / "README.md"
     readme.write_text("stale")
     assert compare.rewrite_report("hacpo", "shared_tok", tmp_path) == out
@@ -327,5 +337,8 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
     assert (tmp_path / "hacpo" / "README.md").exists()
     with pytest.raises(compare.ConfigError, match="does not exist"):
         compare.rewrite_report("hacpo", "worked", tmp_path)
+    (out / "runs" / "hacpo__seed1.json.gz").unlink()
+    with pytest.raises(compare.ConfigError, match="hacpo__seed1.json.gz: the run results.json lists is missing"):
+        compare.rewrite_report("hacpo", "shared_tok", tmp_path)
     with pytest.raises(compare.ConfigError, match="invalid value"):
         compare.rewrite_report("hacpo", "nope", tmp_path)

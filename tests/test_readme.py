@@ -96,6 +96,8 @@ def test_the_readme_comparisons_are_valid_plans(tmp_path):
         copy = tmp_path / "reports" / suite / setting
         copy.mkdir(parents=True)
         shutil.copy(ROOT / "reports" / suite / setting / "results.json", copy)
+        if (ROOT / "reports" / suite / setting / "runs").exists():  # the runs results.json lists
+            shutil.copytree(ROOT / "reports" / suite / setting / "runs", copy / "runs")
         p = _hacrl([*args, "--reports-dir", str(tmp_path / "reports")], ROOT)
         assert p.returncode == 0 and (copy / "README.md").read_text().startswith("**Primary contrast**"), (cmd, p.stderr)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
 import hashlib
 import itertools
 import json
@@ -34,8 +33,9 @@ from hacrl.errors import ConfigError
 from hacrl.pipeline import params
 from hacrl.pipeline.in_process import prepare_experiment, run_in_process
 from hacrl.hashes import file_md5
-from hacrl.storage import MANIFEST, RunLayout, atomic_path, read_json, write_json
+from hacrl.storage import MANIFEST, RunLayout, read_json, write_json
 from hacrl.study.report import write_index, write_report
+from hacrl.study.runstore import STORE_DIR, load_results, store_file, store_run, stored_run
 from hacrl.study.suites import SUITES
 
 log = logging.getLogger(__name__)
@@ -112,38 +112,6 @@ def pool_of(out: Path, warmup: int) -> str | None:
     """The fingerprint :func:`prepare_base` recorded for warm-up pool ``warmup`` (None before it)."""
     stamp = base_dir(out, warmup) / "prepared.json"
     return read_json(stamp).get("pool") if stamp.exists() else None
-
-
-STORE_DIR = "runs"
-"""Finished runs kept with a setting's report (``reports/<suite>/<setting>/runs/``, gzipped JSON, a
-few kB each, committed): the raw data of the report, tuning runs included, and what ``--resume``
-reuses on a fresh checkout (the scratch directory holds checkpoints and is not kept)."""
-
-
-def _store_file(store: Path, name: str, seed: int) -> Path:
-    return store / f"{name.replace('/', '__').replace(' ', '_')}__seed{seed}.json.gz"
-
-
-def store_run(store: Path, name: str, seed: int, run: dict) -> None:
-    """Keep a finished run (its curves, overrides and pool) in the store, atomically."""
-    store.mkdir(parents=True, exist_ok=True)
-    with atomic_path(_store_file(store, name, seed)) as tmp:
-        # no name, mtime 0 in the gzip header: the same run gives the same bytes
-        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-            f.write((json.dumps(run, sort_keys=True) + "\n").encode())
-
-
-def stored_run(store: Path, name: str, seed: int) -> dict | None:
-    """A kept run, or None (also for a file that cannot be read: the run is done again)."""
-    f = _store_file(store, name, seed)
-    if not f.exists():
-        return None
-    try:
-        with gzip.open(f, "rt") as fh:
-            return json.load(fh)
-    except (OSError, EOFError, ValueError) as e:  # damaged, or a git-LFS pointer
-        log.warning("%s cannot be read (%s): the run is done again", f, e)
-        return None
 
 
 RESULT_FILE = "result.json"
@@ -242,7 +210,7 @@ def rewrite_report(suite: str, setting: str = "default", reports_dir: str | os.P
     res_file = suite_dir / setting / "results.json"
     if not res_file.exists():
         raise ConfigError(f"--report-only: {res_file} does not exist (run the suite first)")
-    old = read_json(res_file)
+    old = load_results(res_file.parent)
     spec = SUITES[suite]
     report = write_report(old["runs"], {**spec["settings"][setting], "claims": spec["claims"]}, suite_dir / setting,
                           old.get("wall_seconds", 0.0), old.get("overrides", []), suite, setting, old.get("tuning"),
@@ -314,7 +282,7 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     def run(name: str, ovr: list[str], s: int) -> dict:
         w = s % warmups
         ovr = ovr + pool_overrides(w)
-        used.add(_store_file(store, name, s))
+        used.add(store_file(store, name, s))
         key = config_key(_cfg(ovr + [f"experiment.seed={s}"], out / "runs", out / "reports")) if resume else None
         res = ((finished_run(name, ovr, s, out, store, pool_of(out, w), key) if resume else None)
                or run_contender(name, ovr, s, out, w))
@@ -354,7 +322,7 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     wall = sum(r.get("seconds", 0.0) for r in results) + (tuning or {}).get("seconds", 0.0)
     previous = suite_dir / setting / "results.json"
     if contenders and previous.exists():
-        old = read_json(previous)
+        old = load_results(previous.parent)
         if old.get("overrides") == base_overrides and old.get("warmups", 1) == warmups:
             ran = {(r["contender"], r["seed"]) for r in results}
             results = [r for r in old["runs"] if (r["contender"], r["seed"]) not in ran] + results
@@ -365,7 +333,7 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
                           "tuned_as": {**old["tuning"].get("tuned_as", {}), **tuning["tuned_as"]}}
             tuning = tuning or old.get("tuning")
             log.info("kept %d runs of the earlier report", len(results) - len(ran))
-            used.update(_store_file(store, r["contender"], r["seed"]) for r in results)
+            used.update(store_file(store, r["contender"], r["seed"]) for r in results)
             if tuning and old.get("tuning"):  # the earlier report's tuning runs stay its raw data
                 used.update(store.glob("tune__*"))
     report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,

@@ -9,6 +9,7 @@ import numpy as np
 
 from hacrl.storage import read_json, write_json
 from hacrl.study.claims import ALPHA, MARGIN_POINTS, auc, budget, findings, primary, primary_line
+from hacrl.study.runstore import run_refs
 
 MAX_LINES = 6
 """Curves per panel: more cannot be told apart."""
@@ -45,8 +46,8 @@ def summarize(results: list[dict]) -> dict:
 
 def _train_figures(row: dict, agent: str) -> str:
     """One table cell: the cross ratio's median and share clipped below per peer, the cross
-    share of the objective, the KL, the entropy and the update-to-weight norm per optimizer step,
-    as the learner saw them (means over iterations and seeds)."""
+    share of the objective, the KL and the entropy, as the learner saw them (means over iterations
+    and seeds; the step sizes are in :func:`step_lines`' section)."""
     t = row.get("train", {})
     parts = []
     for k, v in t.items():
@@ -64,8 +65,6 @@ def _train_figures(row: dict, agent: str) -> str:
         parts.append(f"KL to init {t['kl_init_before_step']:.4f}")
     if "entropy" in t:
         parts.append(f"entropy {t['entropy']:.3f}")
-    if "update_to_weight" in t:  # the step size as the model felt it, whatever the lr
-        parts.append(f"step {t['update_to_weight']:.1e} of the weights' norm")
     return "; ".join(parts) or "-"
 
 
@@ -202,6 +201,12 @@ def rescue_lines(results: list[dict], agents: list[str]) -> list[str]:
             "| acc. on prompts rescued earlier (%) |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the rows that have it (None when none has)."""
+    vals = [x[key] for x in rows if x.get(key) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
 def step_lines(results: list[dict], agents: list[str]) -> list[str]:
     """A README section on how large each model's steps were and where the cross ratios fell, per
     agent and contender: optimizer updates per iteration; ``||delta theta|| / ||theta||`` per
@@ -217,11 +222,6 @@ def step_lines(results: list[dict], agents: list[str]) -> list[str]:
             train = [x for r in rs for x in r["agents"][a].get("train", [])]
             if not train:
                 continue
-
-            def mean(key: str, train: list[dict] = train) -> float | None:
-                vals = [x[key] for x in train if x.get(key) is not None]
-                return float(np.mean(vals)) if vals else None
-
             kl_per_update, kl_last = [], []
             for r in rs:  # kl[t]: before iteration t's step, so after the updates of iterations 1..t-1
                 kl = r["agents"][a].get("kl") or []
@@ -234,12 +234,12 @@ def step_lines(results: list[dict], agents: list[str]) -> list[str]:
                             if k.startswith("ratio/") and k.split("/")[1] != a})
             ratios = []
             for peer in peers:
-                q = [mean(f"ratio/{peer}/{k}") for k in ("q10", "q50", "q90", "clipped_below", "clipped_above")]
+                q = [_mean_of(train, f"ratio/{peer}/{k}") for k in ("q10", "q50", "q90", "clipped_below", "clipped_above")]
                 if None not in q:
                     ratios.append(f"{peer}: {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} ({100 * q[3]:.0f}% below, "
                                   f"{100 * q[4]:.0f}% above)")
-            upd, utw = mean("updates"), mean("update_to_weight")
-            rows.append(f"| {c} | {a} | {f'{upd:.1f}' if upd is not None else '-'} | "
+            per_iter, utw = _mean_of(train, "updates"), _mean_of(train, "update_to_weight")
+            rows.append(f"| {c} | {a} | {f'{per_iter:.1f}' if per_iter is not None else '-'} | "
                         f"{f'{utw:.2e}' if utw is not None else '-'} | "
                         f"{f'{np.mean(kl_last):.4f}' if kl_last else '-'} | "
                         f"{f'{np.mean(kl_per_update):.1e}' if kl_per_update else '-'} | {'; '.join(ratios) or '-'} |")
@@ -294,7 +294,7 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
     write_json(out_dir / "results.json", {"suite": suite, "setting": setting, "about": spec.get("about", ""),
                                           "seeds": seeds, "warmups": warmups, "overrides": overrides,
                                           "wall_seconds": round(wall_s, 1), "primary": prim, "tuning": tuning,
-                                          "runs": results, "table": table, "findings": found})
+                                          "runs": run_refs(results, out_dir), "table": table, "findings": found})
     agents = list(table["agents"])
     title = f"# Comparison suite `{suite}`" + (f", setting `{setting}`" if setting else "")
     kl = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm.kl_coef=")), None)
@@ -329,7 +329,7 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
               "smallest shown; holds only when every one is above 0. Entropy / KL claims: the mean over iterations, "
               "in nats.", "", *claim_table(found, agents)]
     lines += ["", "Plots: " + ", ".join(f"`{x}`" for x in plots) + ". Raw curves and per-iteration "
-              "training figures: `results.json`.", ""]
+              "training figures: one file per run in `runs/` (`results.json` lists them).", ""]
     (out_dir / "README.md").write_text("\n".join(lines))
     return out_dir
 
