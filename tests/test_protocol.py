@@ -342,3 +342,18 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
         compare.rewrite_report("hacpo", "shared_tok", tmp_path)
     with pytest.raises(compare.ConfigError, match="invalid value"):
         compare.rewrite_report("hacpo", "nope", tmp_path)
+
+
+def test_a_setting_can_name_its_own_variants_that_take_a_methods_setting(tmp_path, monkeypatch):
+    """The pretrained pair sweeps HACPO and GSPO only: its control takes HACPO's lr and GSPO x n
+    GSPO's, which the setting declares beside the suite's own pairs."""
+    ran = []
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", _fake(ran))
+    compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="pretrained",
+                      tune=["trainer.lr=1e-5,3e-5"], tune_seeds=1)
+    assert sorted({r[0].split("/")[1] for r in ran if r[0].startswith("tune/")}) == ["gspo", "hacpo"]
+    res = load_results(tmp_path / "r" / "hacpo" / "pretrained")
+    assert res["tuning"]["tuned_as"] == {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}
+    assert res["tuning"]["chosen"]["hacpo_cw0"] == res["tuning"]["chosen"]["hacpo"]
+    assert res["tuning"]["chosen"]["gspo_xn"] == res["tuning"]["chosen"]["gspo"]

@@ -229,8 +229,8 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     With ``tune`` (``KEY=V1,V2,...`` items, a grid), each contender first runs every grid point on
     ``tune_seeds`` tuning seeds (1000, 1001, ...) evaluated on the dev split; the point with the
     best mean dev accuracy is the contender's setting for the reported seeds. A contender the
-    suite lists in ``tuned_as`` (a variant of a method that changes one mechanism) is not swept: it
-    takes its method's chosen point. With ``contenders``
+    suite or the setting lists in ``tuned_as`` (a variant of a method that changes one mechanism) is
+    not swept: it takes its method's chosen point. With ``contenders``
     given, the runs of other contenders already in that setting's report (same overrides) are
     kept, so a probe can be added to a finished suite. With ``resume``, runs an interrupted suite
     finished with the same overrides are reused. With ``dry_run``, every config (tuning points
@@ -252,7 +252,8 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     points = grid_points(grid) if grid else []
     out = Path(work_dir).resolve() / suite / setting
     n_agents = len(_cfg(base_overrides, out / "runs", out / "reports").agents)
-    tuned_as = {c: p for c, p in spec.get("tuned_as", {}).items() if p != c}
+    # a setting may add its own pairs (where runs are too dear to sweep every contender)
+    tuned_as = {c: p for c, p in {**spec.get("tuned_as", {}), **st.get("tuned_as", {})}.items() if p != c}
 
     def own_of(c: str) -> list[str]:
         return base_overrides + resolve(spec["all"][c], n_agents)

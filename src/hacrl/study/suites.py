@@ -177,7 +177,11 @@ SUITES: dict[str, dict] = {
                            "base": ["agents=pretrained_pair", "experiment=pretrained_pair", "experiment.iterations=4",
                                     "data.dev_size=48", "algorithm.kl_coef=0.001"],
                            "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
-                           "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"]},
+                           "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"],
+                           # a run takes 15-25 min here: the dev sweep covers HACPO and GSPO only;
+                           # the control changes only the cross weight and takes HACPO's lr, GSPO x n
+                           # only the sample count and takes GSPO's (declared before the runs)
+                           "tuned_as": {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}},
             "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
                        "base": [*HACPO_STEP, "experiment.iterations=5", "data=arith_worked",
                                 "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],

@@ -75,8 +75,6 @@ def _ours(agent, cfg, name: str, t: int, state_dir: Path) -> dict:
 def _trl_inputs(cfg, name: str, t: int):
     """The stage's batch as TRL's tensors: left-padded prompts, right-padded completions, and
     the advantages the stage's estimator gives, in the stage's mini-batch count."""
-    import torch
-
     from hacrl.exchange.experience import read_records
     from hacrl.pipeline.common import hash_seed
     from hacrl.pipeline.common import layout as _layout
