@@ -10,7 +10,7 @@ import pytest
 from hacrl.study import compare
 from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
 from hacrl.study.report import MAX_LINES, STYLES, plot_groups
-from hacrl.study.runstore import STORE_DIR, load_results
+from hacrl.study.runstore import STORE_DIR, load_results, store_run, stored_run
 from hacrl.study.suites import SUITES
 
 
@@ -325,8 +325,6 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
     assert listed[0] == {"contender": "gspo", "seed": 0, "file": "runs/gspo__seed0.json.gz"}
     assert load_results(out)["runs"] == runs
     # a kept run keeps the pool's agent order (the report's panel and table order), not sorted keys
-    from hacrl.study.runstore import store_run, stored_run
-
     store_run(tmp_path / "s", "x", 0, {"agents": {"qwen2-small": 1, "qwen2-large": 2}})
     assert list(stored_run(tmp_path / "s", "x", 0)["agents"]) == ["qwen2-small", "qwen2-large"]
     readme = out / "README.md"
@@ -351,9 +349,13 @@ def test_a_setting_can_name_its_own_variants_that_take_a_methods_setting(tmp_pat
     monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
     monkeypatch.setattr(compare, "run_contender", _fake(ran))
     compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="pretrained",
-                      tune=["trainer.lr=1e-5,3e-5"], tune_seeds=1)
+                      tune=["trainer.lr=1e-4,3e-4"], tune_seeds=1)
     assert sorted({r[0].split("/")[1] for r in ran if r[0].startswith("tune/")}) == ["gspo", "hacpo"]
     res = load_results(tmp_path / "r" / "hacpo" / "pretrained")
     assert res["tuning"]["tuned_as"] == {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}
-    assert res["tuning"]["chosen"]["hacpo_cw0"] == res["tuning"]["chosen"]["hacpo"]
-    assert res["tuning"]["chosen"]["gspo_xn"] == res["tuning"]["chosen"]["gspo"]
+    # the fake's dev favours 3e-4 for hacpo and 1e-4 for every other name: a control swept on its
+    # own would take 1e-4
+    assert res["tuning"]["chosen"] == {"gspo": "trainer.lr=1e-4", "hacpo": "trainer.lr=3e-4",
+                                       "gspo_xn": "trainer.lr=1e-4", "hacpo_cw0": "trainer.lr=3e-4"}
+    reported = {r[0]: r[3] for r in ran if not r[0].startswith("tune/")}
+    assert "trainer.lr=3e-4" in reported["hacpo_cw0"] and "trainer.lr=1e-4" in reported["gspo_xn"]
