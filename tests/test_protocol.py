@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from hacrl.errors import DataError
 from hacrl.study import compare
 from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
 from hacrl.study.report import MAX_LINES, STYLES, plot_groups
@@ -30,6 +31,7 @@ def test_every_contender_of_every_setting_composes_and_the_primary_is_declared(s
     n = len(params.from_dict(params.compose(st["base"])).agents)
     for c in SUITES[suite]["all"]:
         cfg = params.from_dict(params.compose(st["base"] + compare.resolve(SUITES[suite]["all"][c], n)))
+        compare.check_splits(cfg)  # a split its problem space cannot fill fails here, not at a run
         assert cfg.rollout.prompts_per_iteration == (16 if setting == "pretrained" else 128), c
         if suite == "hacpo":
             assert cfg.algorithm.kl_coef == 0.001, c
@@ -340,6 +342,18 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
         compare.rewrite_report("hacpo", "shared_tok", tmp_path)
     with pytest.raises(compare.ConfigError, match="invalid value"):
         compare.rewrite_report("hacpo", "nope", tmp_path)
+
+
+def test_a_split_the_problem_space_cannot_fill_fails_before_any_run(tmp_path, monkeypatch):
+    """Numbers up to 20 give the pretrained pair's dev split 35 distinct problems: asking for 48
+    fails in the dry run and before the first pool is prepared, naming the split."""
+    monkeypatch.setattr(compare, "prepare_base", lambda *a, **k: pytest.fail("prepared a pool"))
+    for dry in (True, False):
+        with pytest.raises(DataError, match="dev split .* fewer than 48 distinct problems"):
+            compare.run_suite("hacpo", 1, ["data.dev_size=48"], work_dir=tmp_path / "w", reports_dir=tmp_path / "r",
+                              setting="pretrained", dry_run=dry)
+    assert "every config valid" in compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", setting="pretrained",
+                                                     dry_run=True)
 
 
 def test_a_setting_can_name_its_own_variants_that_take_a_methods_setting(tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ from hacrl.storage import MANIFEST, RunLayout, read_json, write_json
 from hacrl.study.report import write_index, write_report
 from hacrl.study.runstore import STORE_DIR, load_results, store_file, store_run, stored_run
 from hacrl.study.suites import SUITES
+from hacrl.task import data as task_data
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,17 @@ def _cfg(overrides: list[str], runs_dir: Path, reports_dir: Path) -> Config:
     data["experiment"]["runs_dir"] = str(runs_dir)
     data["experiment"]["reports_dir"] = str(reports_dir)
     return params.from_dict(data)
+
+
+def check_splits(cfg: Config) -> None:
+    """Draw a procedural task's three splits as prepare-data will (milliseconds), so a split the
+    problem space cannot fill fails before any run, not at the first run's prepare-data hours into
+    a suite. Raises :class:`hacrl.errors.DataError`."""
+    d = cfg.data
+    if d.source != "procedural":
+        return  # file splits are checked when prepare-data reads them (their size is the file's)
+    for split, size in (("train", d.train_size), ("dev", d.dev_size), ("heldout", d.heldout_size)):
+        task_data.generate_split(split, size, d.levels, d.max_operand, d.heldout_fraction, cfg.experiment.seed)
 
 
 def base_dir(out: Path, warmup: int) -> Path:
@@ -266,13 +278,15 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     if dry_run:
         for c in dict.fromkeys([*chosen, *swept]):  # a bad override fails here, before hours of runs
             for pt in points or [[]]:
-                _cfg(own_of(c) + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports")
+                check_splits(_cfg(own_of(c) + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports"))
         n_tune = len(swept) * len(points) * tune_seeds
         return (f"compare {suite}/{setting}: {len(chosen)} contenders x {seeds} seeds = {len(chosen) * seeds} runs "
                 f"({', '.join(chosen)}) on {warmups} warm-up pool(s)"
                 + (f", after {n_tune} dev runs tuning {' '.join(tune or [])}" if points else "")
                 + f"; primary: {st['primary']['better']} - {st['primary']['worse']} ({st['primary']['endpoint']}); "
                 f"base overrides: {' '.join(base_overrides)}; every config valid")
+    for c in chosen:
+        check_splits(_cfg(own[c], out / "runs", out / "reports"))
     for w in range(warmups):
         prepare_base(base_overrides, out, w)
     from tqdm import tqdm

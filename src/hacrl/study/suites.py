@@ -175,7 +175,9 @@ SUITES: dict[str, dict] = {
             "pretrained": {"about": "the pretrained pair: SmolLM2-135M-Instruct and Gemma-3-270M base, two families "
                                     "and tokenizers (agents=pretrained_pair experiment=pretrained_pair)",
                            "base": ["agents=pretrained_pair", "experiment=pretrained_pair", "experiment.iterations=4",
-                                    "data.dev_size=48", "algorithm.kl_coef=0.001"],
+                                    # the dev split holds 35 distinct problems at max_operand 20
+                                    # (heldout_fraction / 4 of about 670)
+                                    "data.dev_size=32", "algorithm.kl_coef=0.001"],
                            "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
                            "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"],
                            # a run takes 15-25 min here: the dev sweep covers HACPO and GSPO only;
