@@ -180,7 +180,7 @@ SUITES: dict[str, dict] = {
                                     "data.dev_size=32", "algorithm.kl_coef=0.001"],
                            "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
                            "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"],
-                           # a run takes 15-25 min here: the dev sweep covers HACPO and GSPO only;
+                           # a run takes 17-31 min here: the dev sweep covers HACPO and GSPO only;
                            # the control changes only the cross weight and takes HACPO's lr, GSPO x n
                            # only the sample count and takes GSPO's (declared before the runs)
                            "tuned_as": {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}},
