@@ -94,9 +94,10 @@ def evaluate(cfg: Config, t: int) -> StageResult:
             metrics["agents"][ac.name] = m
     prev = read_json(lay.history(t - 1)) if t > 0 else {"iterations": []}
     before = prev["iterations"][-1]["agents"] if prev["iterations"] else {}
+    label = "held-out" if cfg.eval.split == "heldout" else cfg.eval.split  # a tuning run reads dev
     for name, m in metrics["agents"].items():  # one line per agent, in points, with the change
         was = before.get(name, {}).get("eval_accuracy")
-        log.info("held-out it%d %s: %.1f %% +- %.1f%s", t, name, 100 * m["eval_accuracy"], 100 * m["eval_stderr"],
+        log.info("%s it%d %s: %.1f %% +- %.1f%s", label, t, name, 100 * m["eval_accuracy"], 100 * m["eval_stderr"],
                  f" ({100 * (m['eval_accuracy'] - was):+.1f} since it{t - 1})" if was is not None else "")
     history = {"algorithm": cfg.algorithm.name,
                "iterations": [h for h in prev["iterations"] if h["iteration"] < t] + [metrics]}
