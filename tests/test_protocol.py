@@ -344,6 +344,26 @@ def test_the_report_says_each_models_step_and_cross_ratios_and_is_rewritten_with
         compare.rewrite_report("hacpo", "nope", tmp_path)
 
 
+def test_a_setting_with_few_seeds_lists_every_runs_curve_and_cross_share(tmp_path):
+    """``per_iteration: True`` (the pretrained pair): every run's held-out curve, the peers' share
+    of its gradient per iteration (``-`` without peers) and the KL after each iteration."""
+    from hacrl.study.report import iteration_lines, write_report
+
+    runs = [run(c, s, {"a": [0.1, 0.2, 0.3]}, kl=[0.0, 0.25]) for c in ("gspo", "hacpo") for s in range(2)]
+    for r in runs:
+        peer = {"ratio/b/q50": 0.3} if r["contender"] == "hacpo" else {}
+        r["agents"]["a"]["train"] = [{"cross_gradient_share": 0.108 * (1 - t), **peer} for t in range(2)]
+    text = "\n".join(iteration_lines(runs, ["a"]))
+    assert "| contender | seed | acc. it0 | acc. it1 | acc. it2 | cross share it1 | cross share it2 | KL after it1 |" in text
+    assert "| hacpo | 1 | 10.0 | 20.0 | 30.0 | 10.8 | 0.0 | 0.250 |" in text
+    assert "| gspo | 0 | 10.0 | 20.0 | 30.0 | - | - | 0.250 |" in text
+    st = SUITES["hacpo"]["settings"]
+    assert st["pretrained"]["per_iteration"] and not st["default"].get("per_iteration")
+    for setting, listed in (("pretrained", True), ("default", False)):
+        out = write_report(runs, {**st[setting], "claims": []}, tmp_path / setting, 1.0, [], "hacpo", setting)
+        assert ("## Every run, iteration by iteration" in (out / "README.md").read_text()) == listed
+
+
 def test_a_split_the_problem_space_cannot_fill_fails_before_any_run(tmp_path, monkeypatch):
     """Numbers up to 20 give the pretrained pair's dev split 35 distinct problems: asking for 48
     fails in the dry run and before the first pool is prepared, naming the split."""

@@ -255,6 +255,46 @@ def step_lines(results: list[dict], agents: list[str]) -> list[str]:
             "| cross ratio q10 / q50 / q90 per peer |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def _cells(values: list, fmt: str) -> str:
+    """Table cells, ``-`` where a value is missing."""
+    return " | ".join("-" if v is None else format(v, fmt) for v in values)
+
+
+def iteration_lines(results: list[dict], agents: list[str]) -> list[str]:
+    """A README section with every run's curve, one row per contender and seed: held-out accuracy
+    after each iteration (points), the share of the gradient-carrying objective that came from
+    peers' samples at each iteration's update, and the KL to the initial model after it (k3 on
+    the next iteration's own samples, which that policy drew). For settings with few seeds and
+    large jumps between iterations, where a mean curve hides what the runs did (a setting asks for
+    it with ``per_iteration: True``)."""
+    lines = []
+    for a in agents:
+        rows = []
+        for r in sorted(results, key=lambda r: (r["contender"], r["seed"])):
+            ag = r["agents"][a]
+            train = ag.get("train", [])
+            acc = [100 * v for v in ag["eval_accuracy"]]
+            cross = any(k.startswith("ratio/") and k.split("/")[1] != a for x in train for k in x)
+            share = [100 * x["cross_gradient_share"] if cross and x.get("cross_gradient_share") is not None else None
+                     for x in train]
+            kl = (ag.get("kl") or [])[2:]  # kl[t]: before iteration t's step, i.e. after iteration t-1's
+            rows.append(f"| {r['contender']} | {r['seed']} | {_cells(acc, '.1f')} | {_cells(share, '.1f')} | "
+                        f"{_cells(kl, '.3f')} |")
+        n = max(len(r["agents"][a]["eval_accuracy"]) for r in results)
+        n_kl = max(len((r["agents"][a].get("kl") or [])[2:]) for r in results)
+        lines += [f"### {a}", "",
+                  "| contender | seed | " + " | ".join(f"acc. it{t}" for t in range(n)) + " | "
+                  + " | ".join(f"cross share it{t}" for t in range(1, n)) + " | "
+                  + " | ".join(f"KL after it{t}" for t in range(1, n_kl + 1)) + " |",
+                  "|---|---|" + "---|" * (2 * n - 1 + n_kl), *rows, ""]
+    return ["## Every run, iteration by iteration", "",
+            "Held-out accuracy (%) before training (it0) and after each iteration; the share (%) of the "
+            "gradient-carrying objective that came from peers' samples in that iteration's updates (0 where "
+            "every cross sample was clipped; `-` for contenders without cross samples); KL(policy || initial) "
+            "after the iteration's updates, in nats (k3 on the next iteration's own samples, which that policy "
+            "drew; none after the last iteration).", "", *lines]
+
+
 def tuning_lines(tuning: dict | None) -> list[str]:
     """What the dev sweep chose per contender, and from which dev scores."""
     if not tuning:
@@ -318,6 +358,8 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
                          f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
         lines.append("")
     lines += step_lines(results, agents)
+    if spec.get("per_iteration"):
+        lines += iteration_lines(results, agents)
     lines += rescue_lines(results, agents)
     lines += ["## Secondary claims, paired by seed", "",
               f"Difference (better - worse) of the {'AUC' if endpoint == 'auc' else 'final held-out accuracy'} in "

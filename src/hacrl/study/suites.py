@@ -179,6 +179,9 @@ SUITES: dict[str, dict] = {
                                     # (heldout_fraction / 4 of about 670)
                                     "data.dev_size=32", "algorithm.kl_coef=0.001"],
                            "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
+                           # 3 seeds, and accuracy jumps by tens of points between iterations:
+                           # the report lists every run's curve, not only the means
+                           "per_iteration": True,
                            "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"],
                            # a run takes 17-31 min here: the dev sweep covers HACPO and GSPO only;
                            # the control changes only the cross weight and takes HACPO's lr, GSPO x n
