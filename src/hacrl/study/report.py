@@ -201,6 +201,12 @@ def rescue_lines(results: list[dict], agents: list[str]) -> list[str]:
             "| acc. on prompts rescued earlier (%) |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def _peers(train: list[dict], agent: str) -> list[str]:
+    """The peers whose samples ``agent`` learned from: the ``ratio/<peer>/...`` keys of its
+    training figures, its own left out (empty for a contender without cross samples)."""
+    return sorted({k.split("/")[1] for x in train for k in x if k.startswith("ratio/") and k.split("/")[1] != agent})
+
+
 def _mean_of(rows: list[dict], key: str) -> float | None:
     """The mean of ``key`` over the rows that have it (None when none has)."""
     vals = [x[key] for x in rows if x.get(key) is not None]
@@ -230,10 +236,8 @@ def step_lines(results: list[dict], agents: list[str]) -> list[str]:
                 if last is not None and sum(upd[:last - 1]) > 0:
                     kl_last.append(kl[last])
                     kl_per_update.append(kl[last] / sum(upd[:last - 1]))
-            peers = sorted({k.split("/")[1] for x in train for k in x
-                            if k.startswith("ratio/") and k.split("/")[1] != a})
             ratios = []
-            for peer in peers:
+            for peer in _peers(train, a):
                 q = [_mean_of(train, f"ratio/{peer}/{k}") for k in ("q10", "q50", "q90", "clipped_below", "clipped_above")]
                 if None not in q:
                     ratios.append(f"{peer}: {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} ({100 * q[3]:.0f}% below, "
@@ -274,7 +278,7 @@ def iteration_lines(results: list[dict], agents: list[str]) -> list[str]:
             ag = r["agents"][a]
             train = ag.get("train", [])
             acc = [100 * v for v in ag["eval_accuracy"]]
-            cross = any(k.startswith("ratio/") and k.split("/")[1] != a for x in train for k in x)
+            cross = bool(_peers(train, a))
             share = [100 * x["cross_gradient_share"] if cross and x.get("cross_gradient_share") is not None else None
                      for x in train]
             kl = (ag.get("kl") or [])[2:]  # kl[t]: before iteration t's step, i.e. after iteration t-1's
