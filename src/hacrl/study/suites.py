@@ -183,7 +183,7 @@ SUITES: dict[str, dict] = {
                            # the report lists every run's curve, not only the means
                            "per_iteration": True,
                            "contenders": ["gspo", "gspo_xn", "hacpo", "hacpo_cw0"],
-                           # a run takes 17-31 min here: the dev sweep covers HACPO and GSPO only;
+                           # a run takes 17-43 min here: the dev sweep covers HACPO and GSPO only;
                            # the control changes only the cross weight and takes HACPO's lr, GSPO x n
                            # only the sample count and takes GSPO's (declared before the runs)
                            "tuned_as": {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}},
