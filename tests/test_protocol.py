@@ -10,7 +10,7 @@ import pytest
 from hacrl.errors import DataError
 from hacrl.study import compare
 from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
-from hacrl.study.report import MAX_LINES, STYLES, plot_groups
+from hacrl.study.report import MAX_LINES, STYLES, _train_figures, plot_groups
 from hacrl.study.runstore import STORE_DIR, load_results, store_run, stored_run
 from hacrl.study.suites import SUITES
 
@@ -399,8 +399,6 @@ def test_the_training_cell_shows_the_on_policy_kl_not_the_loss_term():
     """The loss's KL term is averaged over a step's mini-batches on samples the old policy drew;
     once a policy has moved far it is heavy-tailed (Gemma-3 on the pretrained pair: 7.3e6 nats in
     one iteration where the on-policy KL was under 2). The cell prints the on-policy measure."""
-    from hacrl.study.report import _train_figures
-
     both = _train_figures({"train": {"kl_to_init": 7.3e6, "kl_init_before_step": 0.48}}, "a")
     assert "KL to init 0.4800" in both and "7300000" not in both
     # a run that measured only the loss's term says so

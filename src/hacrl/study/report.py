@@ -51,9 +51,8 @@ def _train_figures(row: dict, agent: str) -> str:
     the step sizes are in :func:`step_lines`' section)."""
     t = row.get("train", {})
     parts = []
-    for k, v in t.items():
-        if k.startswith("ratio/") and k.endswith("/q50") and k.split("/")[1] != agent:
-            peer = k.split("/")[1]
+    for peer in _peers([t], agent):
+        if (v := t.get(f"ratio/{peer}/q50")) is not None:
             below = t.get(f"ratio/{peer}/clipped_below")
             parts.append(f"{peer}: {v:.3f}" + (f" ({100 * below:.0f}% below)" if below is not None else ""))
     if "cross_gradient_share" in t:
@@ -63,7 +62,7 @@ def _train_figures(row: dict, agent: str) -> str:
     # the on-policy measure first: ``kl_to_init`` is the loss's KL term, averaged over a step's
     # mini-batches on samples the old policy drew, under a policy already moved by the step's
     # earlier updates; once a model moves far (Gemma-3 on the pretrained pair) it is heavy-tailed
-    # (single iterations of 10^2-10^6 nats where the on-policy KL stays under 2)
+    # (single iterations of 10 to 7e6 nats where the on-policy KL stays under 2)
     if "kl_init_before_step" in t:
         parts.append(f"KL to init {t['kl_init_before_step']:.4f}")
     elif "kl_to_init" in t:
@@ -359,7 +358,8 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
              f"accuracy over the first {table['budget_rollouts_per_agent']} rollouts each agent generated (the "
              "budget every contender reached: the equal-cost view). Training figures: the cross ratio's median per "
              "peer and the share of cross samples below the clip window, the share of the |objective| carried by "
-             "cross samples, the KL to the initial model on the learner's own samples before each step (means over iterations and seeds).", "", *tuning_lines(tuning)]
+             "cross samples, the KL to the initial model on the learner's own samples before each step (means over "
+             "iterations and seeds).", "", *tuning_lines(tuning)]
     for a in agents:
         lines += [f"## {a}", "", "| contender | final (%) | AUC at equal rollouts (%) | training |", "|---|---|---|---|"]
         for c, row in table["agents"][a].items():
