@@ -78,6 +78,37 @@ def dvc_workspace(dest: Path, items: tuple[str, ...]) -> Path:
     return dest
 
 
+BOOKKEEPING = {"micro_batches", "seconds", "tokens_per_s", "old_logprobs_recomputed", "gen_vs_train_logprob_maxdiff",
+               "world_size"}
+"""What a cut (or data-parallel) step legitimately reports otherwise: its forwards, its time, and pi_old passes
+(a whole first mini-batch takes pi_old from its first training forward)."""
+
+
+def assert_same_figures(whole: dict, cut: dict, where: str, tol: float = 1e-6) -> None:
+    """Every figure of the cut step equals the whole step's, to ``tol`` (relative above 1): the
+    same keys, each per-update series entry by entry, each step figure. A quantile of the
+    per-sample ratios is one sample's float32 ratio, whose forward another padding rounds
+    otherwise: 2 ``tol`` (seen: 1.0e-6 on a q10 after four updates)."""
+    import math
+
+    assert set(whole) - BOOKKEEPING == set(cut) - BOOKKEEPING, f"{where}: keys differ"
+    assert set(whole["per_update"]) == set(cut["per_update"]), f"{where}: per-update figures differ"
+    for k, series in whole["per_update"].items():
+        for i, (x, y) in enumerate(zip(series, cut["per_update"][k], strict=True)):
+            assert (x is None) == (y is None), f"{where}: per_update {k}[{i}] {x} against {y}"
+            if x is not None:
+                assert y == pytest.approx(x, rel=tol, abs=tol), f"{where}: per_update {k}[{i}]"
+    for k, x in whole.items():
+        if k in BOOKKEEPING or k == "per_update" or not isinstance(x, (int, float)):
+            continue
+        y = cut[k]
+        t = 2 * tol if k.startswith("ratio/") and k.rsplit("/", 1)[1] in ("q10", "q50", "q90", "min", "max") else tol
+        if isinstance(x, float) and math.isnan(x):
+            assert math.isnan(y), f"{where}: {k}"
+        else:
+            assert y == pytest.approx(x, rel=t, abs=t), f"{where}: {k} whole {x} cut {y}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_stage_server():
     """Stage processes the tests start leave a warm stage server behind (hacrl.ops.stage_server):

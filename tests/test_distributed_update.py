@@ -17,7 +17,7 @@ from hacrl.pipeline import params, table
 from hacrl.rl.trainer import WORLD_FILE
 from hacrl.storage import RunLayout
 
-from conftest import SMOKE
+from conftest import SMOKE, assert_same_figures
 
 # fp32 sums in another order (each rank reduces half of a mini-batch) move the weights by a few
 # ulps per update; Adam's normalisation can turn that into a larger step on a coordinate whose
@@ -100,6 +100,9 @@ def test_two_processes_give_the_single_process_weights(ready, zero):
         assert s2[ac.name]["grad_norm"] == pytest.approx(s1[ac.name]["grad_norm"], rel=1e-4)
         # the step's size, summed over the ranks' partitions of the master weights, is one process's
         assert s2[ac.name]["update_to_weight"] == pytest.approx(s1[ac.name]["update_to_weight"], rel=1e-3)
+        # every figure is the whole mini-batch's (the ranks' parts merged, not their means
+        # averaged), to the rounding of sums taken in another order
+        assert_same_figures(s1[ac.name], s2[ac.name], f"{ac.name}, 2 ranks, ZeRO {zero}", tol=1e-4)
         # the export is a plain HF checkpoint at either world size; the state says its world size
         st = RunLayout(cfg2.experiment.runs_dir).train_state(1) / ac.name
         assert json.loads((st / WORLD_FILE).read_text()) == {"world_size": 2, "updates": s2[ac.name]["total_updates"],
@@ -152,7 +155,7 @@ def test_ranks_take_whole_prompt_groups_and_too_small_a_mini_batch_is_refused():
     import numpy as np
     import pandas as pd
 
-    from hacrl.rl.update import rank_rows
+    from hacrl.rl.layout import rank_rows
 
     ids = pd.Series(["a", "a", "b", "b", "c"])
     assert rank_rows(ids, np.arange(5), 0, 2).tolist() == [0, 1, 4]
@@ -222,3 +225,4 @@ def test_micro_batches_across_two_processes_give_the_whole_mini_batch_update(rea
         assert diff <= 1e-6, (ac.name, zero, diff)
         assert s_m[ac.name]["loss"] == pytest.approx(s_w[ac.name]["loss"], abs=1e-6)
         assert s_m[ac.name]["grad_norm"] == pytest.approx(s_w[ac.name]["grad_norm"], rel=1e-6)
+        assert_same_figures(s_w[ac.name], s_m[ac.name], f"{ac.name}, 2 ranks, ZeRO {zero}, cut")

@@ -272,7 +272,7 @@ def test_source_block_layout_takes_the_official_updates_in_the_official_order():
     peer's block in pool order; no mini-batch mixes sources."""
     import pandas as pd
 
-    from hacrl.rl.update import minibatches, source_block_minibatches
+    from hacrl.rl.layout import minibatches, source_block_minibatches
 
     P, G, B = 8, 3, 2
     prod = [s for s in ("b", "a", "c") for _ in range(P * G)]  # learner b first, as in learner_input
@@ -299,7 +299,7 @@ def test_source_block_sizes_that_do_not_divide_are_refused():
         params.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=63"])
     cfg = params.from_dict(params.compose(["algorithm=gspo_x2", "rollout.prompts_per_iteration=128",
                                            "trainer.mini_batch_prompts=64"]))
-    from hacrl.rl.update import prompts_per_update
+    from hacrl.rl.layout import prompts_per_update
 
     assert prompts_per_update(cfg) == 32
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import ROOT, SMOKE
+from conftest import ROOT, SMOKE, assert_same_figures
 
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.pipeline import params, table
@@ -97,13 +97,14 @@ def _fixed_rewards(df):
     return ((n % 3) == 0).astype(float)
 
 
-def _iteration(pool, algo, rewards=_fixed_rewards, tag=""):
+def _iteration(pool, algo, rewards=_fixed_rewards, tag="", extra=()):
     """Iteration 1 of ``algo`` up to its update, rewards set to a fixed pattern (the barely
-    warmed-up tiny pool scores 0, which trains nothing; ``rewards``: verdict rows -> 0/1)."""
+    warmed-up tiny pool scores 0, which trains nothing; ``rewards``: verdict rows -> 0/1;
+    ``extra``: overrides, e.g. a KL term)."""
     if (algo, tag) in _ITERATIONS:
         return _ITERATIONS[(algo, tag)]
     root = pool / (algo + tag)
-    cfg = _cfg(root, algo, "algorithm.kl_coef=0.05") if algo == "grpo" else _cfg(root, algo)
+    cfg = _cfg(root, algo, *(["algorithm.kl_coef=0.05"] if algo == "grpo" else []), *extra)
     lay = RunLayout(cfg.experiment.runs_dir)
     shutil.copytree(pool / "base" / "runs" / "it0", lay.it(0))
     cwd = os.getcwd()
@@ -165,8 +166,21 @@ def test_a_micro_batched_update_is_the_whole_update(pool, loss, backend):
         assert np.allclose(cut["per_update"]["grad_norm"], whole["per_update"]["grad_norm"], rtol=1e-6, atol=1e-7), where
         diff = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
         assert diff <= 1e-6, f"{where}: weights differ by {diff:.2e}"
-        if "kl_to_init" in whole:
-            assert cut["kl_to_init"] == pytest.approx(whole["kl_to_init"], abs=1e-6), where
+        assert_same_figures(whole, cut, where)
+
+
+def test_an_update_without_own_samples_has_no_kl_term_whatever_the_budget(pool):
+    """HACPO's reference layout gives the peers' samples updates of their own: those have no KL
+    term (None per update, left out of the step's mean), cut or whole, never a KL of 0."""
+    root, cfg = _iteration(pool, "hacpo", tag="-kl", extra=("algorithm.kl_coef=0.05",))
+    name = cfg.agents[0].name
+    whole, _ = _update(root, cfg, name, "kl-whole")
+    cut, _ = _update(root, cfg, name, "kl-cut", micro_batch_tokens=200)
+    kl = whole["per_update"]["kl"]
+    assert None in kl and any(x is not None for x in kl), kl  # own blocks and cross blocks
+    assert [x is None for x in cut["per_update"]["kl"]] == [x is None for x in kl]
+    assert whole["kl_to_init"] == pytest.approx(np.mean([x for x in kl if x is not None]), rel=1e-9)
+    assert_same_figures(whole, cut, "hacpo with a KL term, micro_batch_tokens=200")
 
 
 def test_activation_checkpointing_is_the_same_update(pool):

@@ -34,6 +34,7 @@ from hacrl.config.schema import Settings, setting
 from hacrl.errors import ConfigError
 from hacrl.groups import group_index, group_normalized_advantage, group_std
 from hacrl.lazy import lazy_module
+from hacrl.rl import figures as fig
 from hacrl.rl import rescues
 
 if TYPE_CHECKING:
@@ -304,18 +305,33 @@ class GspoOptions(ClipOptions):
     clip_high: float = setting(4e-4, ge=0)
 
 
+def clipped_surrogate(ratio: torch.Tensor, a: torch.Tensor, opts: ClipOptions) -> torch.Tensor:
+    """PPO's clipped surrogate ``min(rho A, clip(rho, 1 - eps_l, 1 + eps_h) A)``, elementwise: per
+    token (GRPO, PRP, SGT) or per sequence (GSPO, HACPO's own samples)."""
+    return torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+
+
+def outside_clip(ratio: torch.Tensor, opts: ClipOptions) -> torch.Tensor:
+    """1.0 where the ratio lies outside ``[1 - eps_l, 1 + eps_h]`` (the clip fraction's numerator)."""
+    return ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
+
+
+def count(x, shard: Shard | None = None) -> int:
+    """A count over the mini-batch: ``x`` here, or summed over its parts (micro-batches, ranks)
+    when it is split (a loss's figures then weigh as its means do)."""
+    v = int(x)
+    return int(round(shard.all_sum(v))) if shard is not None and shard.split else v
+
+
 @register_loss("grpo", ClipOptions, level="token")
 def grpo_loss(inp: LossInputs, opts: ClipOptions):
     """``-(1/B) sum_i (1/|y_i|) sum_t min(rho A, clip(rho, 1-eps_l, 1+eps_h) A)``, rho per token."""
     ratio = torch.exp(inp.logp - inp.old_logp)
-    a = inp.advantages[:, None]
-    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    surr = clipped_surrogate(ratio, inp.advantages[:, None], opts)
     per_seq = masked_mean(surr, inp.mask, dim=1)
     loss = -row_mean(per_seq, shard=inp.shard)
     with torch.no_grad():
-        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
-        metrics = {"clip_frac": masked_mean(clipped, inp.mask).item(),
-                   "ratio_mean": masked_mean(ratio, inp.mask).item()}
+        metrics = {"clip_frac": fig.mean(outside_clip(ratio, opts), inp.mask), "ratio_mean": fig.mean(ratio, inp.mask)}
     return loss, metrics
 
 
@@ -335,11 +351,10 @@ def gspo_loss(inp: LossInputs, opts: GspoOptions):
     """``s_i = exp(mean_t log-ratio)``, loss ``-(1/B) sum_i min(s A, clip(s) A)``."""
     s = torch.exp(sequence_log_ratio(inp.logp, inp.old_logp, inp.mask))
     a = inp.advantages
-    surr = torch.minimum(s * a, s.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    surr = clipped_surrogate(s, a, opts)
     loss = -row_mean(surr, shard=inp.shard)
     with torch.no_grad():
-        clipped = ((s < 1 - opts.clip_low) | (s > 1 + opts.clip_high)).float()
-        metrics = {"clip_frac": clipped.mean().item(), "ratio_mean": s.mean().item(),
+        metrics = {"clip_frac": fig.mean(outside_clip(s, opts)), "ratio_mean": fig.mean(s),
                    "samples": {"ratio": s.detach(), "term": surr.detach(),
                                "active": clip_active(s, a, 1 - opts.clip_low, 1 + opts.clip_high),
                                "clipped_below": (s < 1 - opts.clip_low).float(),
@@ -504,7 +519,7 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     log_s = (new_mean - old_mean).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
     s = torch.exp(log_s)
     a = inp.advantages.float()
-    self_term = torch.minimum(s * a, s.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    self_term = clipped_surrogate(s, a, opts)
     lower = stepwise_lower_bound(inp.update_index, opts.cross_clip_delta, opts.cross_clip_delta_step)
     c = s.clamp(lower, 1.0) if opts.cross_clip else s
     sg = (c if opts.sg_on == "clipped" else s).detach()
@@ -519,22 +534,18 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     else:
         loss = -row_mean(per, shard=inp.shard)
     with torch.no_grad():
-        sc = s[cross]
-        ss = s[is_self]
         metrics = {
-            "cross_share": float(cross.float().mean()),
-            "cross_lower_bound": lower,
-            "cross_ratio_mean": float(sc.mean()) if sc.numel() else float("nan"),
-            "cross_ratio_min": float(sc.min()) if sc.numel() else float("nan"),
-            "cross_ratio_max": float(sc.max()) if sc.numel() else float("nan"),
-            "cross_clipped_below": float((sc < lower).float().mean()) if sc.numel() else float("nan"),
-            "cross_clipped_above": float((sc > 1.0).float().mean()) if sc.numel() else float("nan"),
-            "ratio_mean": float(ss.mean()) if ss.numel() else float("nan"),
-            "clip_frac": float(((ss < 1 - opts.clip_low) | (ss > 1 + opts.clip_high)).float().mean())
-            if ss.numel() else float("nan"),
+            "cross_share": fig.mean(cross.float()),
+            "cross_lower_bound": fig.same(lower),
+            "cross_ratio_mean": fig.mean(s, cross),
+            "cross_ratio_min": fig.least(s[cross]),
+            "cross_ratio_max": fig.most(s[cross]),
+            "cross_clipped_below": fig.mean((s < lower).float(), cross),
+            "cross_clipped_above": fig.mean((s > 1.0).float(), cross),
+            "ratio_mean": fig.mean(s, is_self),
+            "clip_frac": fig.mean(outside_clip(s, opts), is_self),
             # the share of this update's |objective| that cross samples carry
-            "cross_objective_share": float(per[cross].abs().sum() / per.abs().sum())
-            if float(per.abs().sum()) > 0 else 0.0,
+            "cross_objective_share": fig.ratio(per[cross].abs().sum(), per.abs().sum(), empty=0.0),
             "samples": {"ratio": s.detach(), "term": per.detach(),
                         "active": torch.where(is_self, clip_active(s, a, 1 - opts.clip_low, 1 + opts.clip_high),
                                               ((s >= lower) & (s <= 1.0)).float() if opts.cross_clip
@@ -588,19 +599,17 @@ def prp_loss(inp: LossInputs, opts: PrpOptions):
     log_ratio = (inp.logp - denom).clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     a = inp.advantages[:, None].float()
-    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    surr = clipped_surrogate(ratio, a, opts)
     per_seq = masked_mean(surr, inp.mask, dim=1)
     loss = -row_mean(per_seq, shard=inp.shard)
     with torch.no_grad():
         samples = _token_clip_samples(log_ratio, a, inp.mask, 1 - opts.clip_low, 1 + opts.clip_high, per_seq)
         own = inp.mask * inp.is_self[:, None]
         peer = inp.mask * (~inp.is_self)[:, None]
-        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
-        metrics = {"clip_frac": masked_mean(clipped, own).item() if bool(own.any()) else float("nan"),
-                   "ratio_mean": masked_mean(ratio, own).item() if bool(own.any()) else float("nan"),
-                   "cross_share": float((~inp.is_self).float().mean()),
-                   "peer_clip_frac": masked_mean(clipped, peer).item() if bool(peer.any()) else float("nan"),
-                   "peer_ratio_mean": masked_mean(ratio, peer).item() if bool(peer.any()) else float("nan"),
+        clipped = outside_clip(ratio, opts)
+        metrics = {"clip_frac": fig.mean(clipped, own), "ratio_mean": fig.mean(ratio, own),
+                   "cross_share": fig.mean((~inp.is_self).float()),
+                   "peer_clip_frac": fig.mean(clipped, peer), "peer_ratio_mean": fig.mean(ratio, peer),
                    "samples": samples}
     return loss, metrics
 
@@ -678,8 +687,7 @@ def sgt_loss(inp: LossInputs, opts: SgtOptions):
         raise ValueError("the sgt loss needs rewards, group ids and verdicts of the mini-batch")
     own = inp.is_self.bool()
     ratio = torch.exp(inp.logp - inp.old_logp)
-    a = inp.advantages[:, None].float()
-    surr = torch.minimum(ratio * a, ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high) * a)
+    surr = clipped_surrogate(ratio, inp.advantages[:, None].float(), opts)
     per_seq = masked_mean(surr, inp.mask, dim=1)
     grpo = row_mean(per_seq, own, inp.shard)
     cand = sgt_gate(inp.rewards, inp.group_ids, own, inp.verified)
@@ -705,19 +713,18 @@ def sgt_loss(inp: LossInputs, opts: SgtOptions):
         nll = per_seq.sum() * 0
     loss = -grpo + opts.nll_weight * nll
     with torch.no_grad():
-        clipped = ((ratio < 1 - opts.clip_low) | (ratio > 1 + opts.clip_high)).float()
         own_tok = inp.mask * own[:, None]
         seq_nll = -masked_mean(inp.logp, inp.mask, dim=1)
         # each sample's share of the objective: own samples their GRPO term over B_own, a rescue
-        # its NLL term (weighted as in the loss); the trainer weights terms by 1 / mini-batch size
-        n_all, n_own = len(own), max(1, int(own.sum()))
-        term = torch.where(own, per_seq * n_all / n_own,
-                           torch.where(chosen, -opts.nll_weight * seq_nll * n_all / max(1, int(chosen.sum())),
+        # its NLL term (weighted as in the loss); the trainer weights terms by 1 / mini-batch
+        # size. The counts are the mini-batch's (over micro-batches and ranks), as the loss's are.
+        n_all, n_own, n_chosen = (count(x, inp.shard) for x in (len(own), own.sum(), chosen.sum()))
+        term = torch.where(own, per_seq * n_all / max(1, n_own),
+                           torch.where(chosen, -opts.nll_weight * seq_nll * n_all / max(1, n_chosen),
                                        torch.zeros_like(per_seq)))
-        metrics = {"clip_frac": masked_mean(clipped, own_tok).item() if bool(own.any()) else float("nan"),
-                   "ratio_mean": masked_mean(ratio, own_tok).item() if bool(own.any()) else float("nan"),
-                   "rescues": float(chosen.sum()),
-                   "rescue_nll": float(nll) if bool(chosen.any()) else float("nan"),
+        metrics = {"clip_frac": fig.mean(outside_clip(ratio, opts), own_tok), "ratio_mean": fig.mean(ratio, own_tok),
+                   "rescues": fig.total(chosen.sum()),
+                   "rescue_nll": fig.share(nll, present=bool(chosen.any())),
                    "samples": {"ratio": torch.exp(masked_mean(inp.logp - inp.old_logp, inp.mask, dim=1)),
                                "term": term, "active": (own | chosen).float(),
                                "rescued": chosen.float()}}

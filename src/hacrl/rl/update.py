@@ -1,8 +1,20 @@
 """One learner's policy update on its training input (the body of update-policies).
 
-Reads top to bottom like one RL step: advantages from the registry, mini-batches of whole
-prompt groups, old log-probs, then per mini-batch: forward, registered loss (+ KL), clipped
-step. The loss functions themselves live in :mod:`hacrl.rl.algorithms`.
+:func:`train_learner` reads as one RL step, in named parts:
+
+1. :func:`plan_step`: the rows the loss can use, their advantages (the registered estimator),
+   the layout's mini-batches (:mod:`hacrl.rl.layout`; this rank's prompt groups when
+   data-parallel), each cut into micro-batches within the memory budget (:mod:`hacrl.rl.micro`;
+   a whole mini-batch is a list of one);
+2. :func:`old_logprobs`: pi_old of every micro-batch before the first update, and the reference
+   model's log-probs for the KL term;
+3. :func:`run_update`, once per optimizer update: one loop over the mini-batch's micro-batches
+   (forward, registered loss + KL, backward; the optimizer steps after the last one);
+4. :func:`step_figures`: the step's figures from its updates' (each exact over micro-batches and
+   ranks: :mod:`hacrl.rl.figures`).
+
+The loss functions live in :mod:`hacrl.rl.algorithms`; nothing here names an algorithm or an
+engine.
 """
 
 from __future__ import annotations
@@ -22,7 +34,9 @@ from hacrl.agents.pool import Agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.groups import pooled_reward_stats
+from hacrl.rl import figures as fig
 from hacrl.rl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
+from hacrl.rl.layout import layout, rank_rows, update_order
 from hacrl.rl.micro import Recorder, Replay
 from hacrl.rl.micro import plan as plan_micro
 from hacrl.rl.micro import totals as micro_totals
@@ -32,65 +46,7 @@ from hacrl.rollout.table import engine_spec
 log = logging.getLogger(__name__)
 
 
-def minibatches(prompt_ids: pd.Series, prompts_per_batch: int, seed: int) -> list[np.ndarray]:
-    """Row indices of mini-batches made of whole prompt groups, prompt order shuffled by seed."""
-    groups = list(dict.fromkeys(prompt_ids.tolist()))
-    random.Random(seed).shuffle(groups)
-    pos = {g: i // prompts_per_batch for i, g in enumerate(groups)}
-    which = prompt_ids.map(pos).to_numpy()
-    return [np.flatnonzero(which == b) for b in range(int(which.max()) + 1)] if len(which) else []
-
-
-def self_first_minibatches(prompt_ids: pd.Series, is_self: pd.Series, n_batches: int, seed: int) -> list[np.ndarray]:
-    """Layout ``self_first`` (this project's earlier HACPO layout): the learner's own samples
-    first, then the cross samples, each in a seeded prompt order, cut into ``n_batches``
-    contiguous mini-batches, so a mini-batch may mix sources."""
-    groups = list(dict.fromkeys(prompt_ids.tolist()))
-    random.Random(seed).shuffle(groups)
-    rank = prompt_ids.map({g: i for i, g in enumerate(groups)}).to_numpy()
-    order = np.lexsort((np.arange(len(rank)), rank, ~is_self.to_numpy()))
-    return [b for b in np.array_split(order, max(1, n_batches)) if len(b)]
-
-
-def source_block_minibatches(prompt_ids: pd.Series, producers: pd.Series, sources: list[str],
-                             prompts_per_batch: int, seed: int) -> list[np.ndarray]:
-    """Layout ``source_blocks`` (the HACPO reference trainer, docs/ALGORITHMS.md "Update layout"):
-    one block per source in the order of ``sources`` (the learner first), each block cut into
-    mini-batches of ``prompts_per_batch`` whole prompt groups in the seeded prompt order that
-    :func:`minibatches` gives; no mini-batch mixes sources. The learner's own block is cut exactly
-    as an independent learner's batch would be."""
-    prod = producers.to_numpy()
-    out = []
-    for src in sources:
-        rows = np.flatnonzero(prod == src)
-        if len(rows):
-            out += [rows[b] for b in minibatches(prompt_ids.iloc[rows].reset_index(drop=True), prompts_per_batch, seed)]
-    return out
-
-
-def prompts_per_update(cfg: Config) -> int:
-    """Prompt groups per mini-batch. ``prompt_groups`` and ``self_first``: ``mini_batch_prompts``;
-    ``source_blocks``: as many samples per update as an independent learner with G samples per
-    prompt takes (``mini_batch_prompts * group_size`` samples), so GSPO x2 (2G per prompt)
-    takes half the prompts per update and twice the updates."""
-    tc = cfg.trainer
-    if cfg.algorithm.minibatch_order != "source_blocks":
-        return tc.mini_batch_prompts
-    return tc.mini_batch_prompts * cfg.rollout.group_size // cfg.samples_per_prompt
-
-
-def layout(batch: pd.DataFrame, cfg: Config, learner: str, seed: int) -> list[np.ndarray]:
-    """Row indices of the learner's mini-batches, in update order (see ``AlgorithmConfig.minibatch_order``)."""
-    order = cfg.algorithm.minibatch_order
-    if order == "self_first":
-        n_prompts = batch["prompt_id"].nunique()
-        return self_first_minibatches(batch["prompt_id"], batch["is_self"],
-                                      -(-n_prompts // cfg.trainer.mini_batch_prompts), seed)
-    if order == "source_blocks":
-        sources = [learner] + [a.name for a in cfg.agents if a.name != learner]
-        return source_block_minibatches(batch["prompt_id"], batch["producer"], sources, prompts_per_update(cfg), seed)
-    return minibatches(batch["prompt_id"], cfg.trainer.mini_batch_prompts, seed)
-
+# ----------------------------------------------------------------------------- 1. the plan
 
 def pool_tensors(cfg: Config, omega: dict | None) -> tuple[list[str], torch.Tensor]:
     """Agent names in pool order and the (n, n) omega matrix (ones when no capability is known)."""
@@ -138,7 +94,18 @@ class Micro:
     """A rank's stand-in micro-batch when it has fewer than another rank (its loss weighs 0)."""
 
 
-def _micro(batch: pd.DataFrame, idx: np.ndarray, pad: int, response_only: bool) -> Micro:
+def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values of each response placed at the response positions of ``resp_mask``."""
+    out = torch.zeros_like(resp_mask)
+    L = resp_mask.shape[1]
+    for i, v in enumerate(values):
+        if len(v):
+            out[i, L - len(v):] = torch.tensor(v, dtype=out.dtype)
+    return out
+
+
+def pack_micro(batch: pd.DataFrame, idx: np.ndarray, pad: int, response_only: bool) -> Micro:
+    """Rows ``idx`` of the learner's batch, left-padded into one forward's tensors."""
     rows = batch.iloc[idx]
     ids, attn, resp = pack([list(x) for x in rows["input_prompt_ids"]], [list(x) for x in rows["input_response_ids"]],
                            pad)
@@ -157,43 +124,265 @@ def _all_max(values: list[int]) -> list[int]:
     return t.cpu().tolist()
 
 
-def _mean_metrics(mets: list[dict]) -> dict:
-    """A mini-batch's loss figures from its micro-batches' (the mean of the finite ones; the
-    loss and gradient themselves are exact, these are the loss's own diagnostics)."""
-    out = {}
-    for k in dict.fromkeys(k for x in mets for k in x):
-        vals = [x[k] for x in mets if k in x and isinstance(x[k], (int, float)) and np.isfinite(x[k])]
-        out[k] = float(np.mean(vals)) if vals else float("nan")
-    return out
+@dataclass
+class StepPlan:
+    """What one learner's step trains on, laid out for its updates."""
+
+    batch: pd.DataFrame
+    """The rows trained on (those the loss can use; see ``Registered.rows``)."""
+    offered: int
+    """Rows before the loss's row filter."""
+    inputs: AdvantageInputs
+    advantages: torch.Tensor
+    choice_key: torch.Tensor
+    """A seeded uniform key per row, for losses that choose among rows at random."""
+    omega_src: torch.Tensor
+    """omega[source][learner] of each row: the discrepancy coefficient."""
+    behavior_mean: torch.Tensor
+    minibatches: list[list[Micro]]
+    """Per mini-batch (one optimizer update) this rank's micro-batches; a whole one is a list of one."""
+    minibatch_rows: list[int]
+    """Rows of each mini-batch over every rank (a per-sample figure weighs 1 / this)."""
+    own_rows: list[int]
+    """The learner's own rows of each mini-batch over every rank: a KL term only where > 0."""
+    shard: Shard | None
+    """Data parallelism (None: one process)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.shard.world_size if self.shard is not None else 1
+
+    @property
+    def split(self) -> bool:
+        """Whether any mini-batch is cut into micro-batches."""
+        return any(len(mb) > 1 for mb in self.minibatches)
 
 
-def enable_checkpointing(model) -> None:
-    """Activation checkpointing of every decoder layer (transformers', non-reentrant)."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+def cut_minibatches(batch: pd.DataFrame, mbs: list[np.ndarray], groups: np.ndarray | None, cfg: Config,
+                    pad: int, name: str) -> list[list[Micro]]:
+    """Each mini-batch cut into micro-batches within ``trainer.micro_batch_tokens`` /
+    ``micro_batch_samples`` (one when there is no budget); ``groups``: a prompt code per row
+    when the loss reads whole groups (then a group is never cut)."""
+    tc = cfg.trainer
+    lengths = (batch["input_prompt_ids"].map(len) + batch["input_response_ids"].map(len)).to_numpy()
+    packed, over = [], 0
+    for idx in mbs:
+        parts, o = plan_micro(lengths[idx], groups[idx] if groups is not None else None, tc.micro_batch_tokens,
+                              tc.micro_batch_samples)
+        over += o
+        packed.append([pack_micro(batch, idx[part], pad, tc.response_logits_only) for part in parts])
+    if over:
+        log.warning("%s: %d %s longer than trainer.micro_batch_tokens=%d (or more rows than micro_batch_samples=%d): "
+                    "each is a micro-batch of its own (nothing is truncated)", name, over,
+                    "prompt groups" if groups is not None else "rows", tc.micro_batch_tokens, tc.micro_batch_samples)
+    return packed
 
 
-def train_mode(model, checkpointing: bool) -> None:
-    """Evaluation mode (no dropout) for the update's forwards; with activation checkpointing the
-    decoder layers alone are marked training, which is what makes transformers checkpoint them
-    (their attention and dropout modules stay in evaluation mode)."""
-    model.eval()
-    if checkpointing:
-        from transformers.modeling_layers import GradientCheckpointingLayer
+def add_phantoms(packed: list[list[Micro]], name: str) -> None:
+    """Every rank takes as many micro-batches per update (ZeRO 2 reduces at each): a rank with
+    fewer runs phantom ones (its smallest again, weighted 0). A collective."""
+    need = [int(x) for x in _all_max([len(mb) for mb in packed])]
+    phantoms = sum(n - len(mb) for mb, n in zip(packed, need))
+    for mb, n in zip(packed, need):
+        while len(mb) < n:
+            mb.append(dataclasses.replace(min(mb, key=lambda x: x.ids.numel()), phantom=True))
+    if phantoms:
+        log.info("%s: rank %d runs %d phantom micro-batches (another rank needs more)", name, world()[0], phantoms)
 
-        for mod in model.modules():
-            if isinstance(mod, GradientCheckpointingLayer):
-                mod.training = True
+
+def plan_step(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, omega: dict | None,
+              reward_stats: pd.DataFrame | None) -> StepPlan:
+    """The step's rows, advantages, and mini-batches cut into micro-batches (see :class:`StepPlan`)."""
+    a = cfg.algorithm
+    inputs = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
+    loss_reg = LOSSES[a.loss.name]
+    offered = len(batch)
+    if loss_reg.rows is not None:  # rows the loss can never use cost no forward pass
+        batch = batch[loss_reg.rows(inputs, a.loss).numpy()].reset_index(drop=True)
+        inputs = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
+    rank, world_size = world()
+    full = layout(batch, cfg, agent.name, seed)
+    # data parallelism: every rank lays out the same mini-batches and keeps its prompt groups
+    mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in full]
+    groups = inputs.group_ids.numpy() if loss_reg.split == "groups" else None
+    packed = cut_minibatches(batch, mbs, groups, cfg, agent.tokenizer.pad_token_id, agent.name)
+    if world_size > 1 and any(len(mb) > 1 for mb in packed):
+        add_phantoms(packed, agent.name)
+    return StepPlan(
+        batch=batch, offered=offered, inputs=inputs, advantages=ADVANTAGES[a.advantage.name].fn(inputs, a.advantage),
+        choice_key=torch.tensor([random.Random(f"{seed}/{rid}").random() for rid in batch["record_id"]],
+                                dtype=torch.float32),
+        omega_src=inputs.omega[inputs.source_ids, inputs.learner],
+        behavior_mean=torch.tensor(batch["behavior_logprob_mean"].to_numpy(), dtype=torch.float32),
+        minibatches=packed, minibatch_rows=[len(idx) for idx in full],
+        own_rows=[int(inputs.is_self[idx].sum()) for idx in full],
+        shard=Shard(world_size) if world_size > 1 else None)
 
 
-def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token values of each response placed at the response positions of ``resp_mask``."""
-    out = torch.zeros_like(resp_mask)
-    L = resp_mask.shape[1]
-    for i, v in enumerate(values):
-        if len(v):
-            out[i, L - len(v):] = torch.tensor(v, dtype=out.dtype)
-    return out
+# ----------------------------------------------------------------------------- 2. old log-probs
 
+def forward(model, mi: Micro, cfg: Config, with_entropy: bool = False):
+    """The model's per-token log-probs (and entropies) on a micro-batch at the sampling temperature."""
+    return token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=with_entropy, span=mi.span,
+                          chunk=cfg.trainer.logprob_chunk)
+
+
+@dataclass
+class OldPolicy:
+    """pi_old of every micro-batch (the policy before the step's first update), the reference
+    model's log-probs when a KL term needs them, and what scoring them measured."""
+
+    logp: list[list[torch.Tensor | None]]
+    """None until taken: the first mini-batch's is its first training forward (see :func:`old_logprobs`)."""
+    ref: list[list[torch.Tensor]] | None
+    use_generation: bool
+    """Own samples keep the engine's generation log-probs (an exact engine, no recompute)."""
+    gen_gap: float = 0.0
+    """The largest |generation - trainer| log-prob on an own token the trainer scored."""
+    recomputed: int = 0
+    """Rows whose pi_old the trainer scored in a no-grad pass."""
+
+    def take(self, m: int, k: int, mi: Micro, lp: torch.Tensor, is_self: torch.Tensor) -> torch.Tensor:
+        """Micro-batch (m, k)'s pi_old from the trainer's log-probs ``lp`` at the step's start
+        (the generation log-probs on own tokens where ``use_generation``); notes the gap."""
+        self_mask = mi.resp * is_self[mi.idx][:, None]
+        if bool(self_mask.any()):
+            self.gen_gap = max(self.gen_gap, float(((lp - mi.gen_lp).abs() * self_mask).max()))
+        self.logp[m][k] = torch.where(self_mask.bool(), mi.gen_lp, lp) if self.use_generation else lp
+        return self.logp[m][k]
+
+
+def old_logprobs(model, ref_model, plan: StepPlan, cfg: Config) -> OldPolicy:
+    """pi_old (and pi_ref) of every micro-batch, one micro-batch at a time, without gradients.
+
+    ``trainer.recompute_old_logprobs`` (verl's "recompute"): the trainer's own forward for every
+    sample, so the first update's ratio is exactly 1. Off: own samples of an engine whose
+    generation log-probs are the trainer's (``exact_logprobs``) keep them; other rows (cross
+    samples, in another tokenizer's tokens; vLLM's kernels) are still scored. When nothing
+    needs every pi_old before the first update (no KL reference, no micro-batch counts), the
+    first mini-batch's pi_old is its first training forward, detached: the same bits as a
+    no-grad pass (tests/test_update_speed.py), one forward fewer.
+    """
+    use_gen = not cfg.trainer.recompute_old_logprobs and engine_spec(cfg.rollout.engine).exact_logprobs
+    old = OldPolicy([[None] * len(mb) for mb in plan.minibatches], None, use_gen)
+    is_self = plan.inputs.is_self
+    deferred = ref_model is None and not plan.split
+    with torch.no_grad():
+        for m, mb in enumerate(plan.minibatches):
+            for k, mi in enumerate(mb):
+                if deferred and m == 0:
+                    continue
+                if deferred and use_gen and bool(is_self[mi.idx].all()):
+                    old.logp[m][k] = mi.gen_lp
+                    continue
+                old.take(m, k, mi, forward(model, mi, cfg), is_self)
+                old.recomputed += 0 if mi.phantom else len(mi.idx)
+        if ref_model is not None:
+            old.ref = [[forward(ref_model, mi, cfg) for mi in mb] for mb in plan.minibatches]
+    return old
+
+
+def kl_old_to_ref(plan: StepPlan, old: OldPolicy) -> float | None:
+    """KL(pi_old || pi_ref) by k3 over the learner's own samples (drawn from pi_old), one value
+    per sample then their mean (over every rank's samples when sharded); None without own
+    samples or without a reference."""
+    if old.ref is None:
+        return None
+    per = []
+    for mb, ob, rb in zip(plan.minibatches, old.logp, old.ref):
+        for mi, o, r in zip(mb, ob, rb):
+            sm = mi.resp * plan.inputs.is_self[mi.idx][:, None]
+            rows = sm.sum(1) > 0
+            if not mi.phantom and bool(rows.any()):
+                d = r - o
+                per.append(masked_mean(torch.exp(d) - d - 1, sm, dim=1)[rows])
+    if plan.shard is not None:
+        vals = torch.cat(per) if per else torch.zeros(0)
+        n = plan.shard.all_sum(vals.numel())
+        return plan.shard.all_sum(float(vals.sum())) / n if n else None
+    return float(torch.cat(per).mean()) if per else None
+
+
+# ----------------------------------------------------------------------------- 3. one update
+
+def objective(plan: StepPlan, m: int, k: int, logp: torch.Tensor, old: OldPolicy, cfg: Config, update_index: int,
+              counts: Shard | None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """Micro-batch k of mini-batch m: the registered loss, plus the KL term on the learner's own
+    samples where the mini-batch holds any (an update of cross samples only has none).
+    ``counts``: where the loss's means take their counts (None: this micro-batch is the whole
+    mini-batch in this process)."""
+    a = cfg.algorithm
+    mi = plan.minibatches[m][k]
+    idx, inp = mi.idx, plan.inputs
+    loss, met = LOSSES[a.loss.name].fn(
+        LossInputs(logp=logp, old_logp=old.logp[m][k], mask=mi.resp, advantages=plan.advantages[idx],
+                   is_self=inp.is_self[idx], omega_src=plan.omega_src[idx], behavior_logp=mi.behavior,
+                   behavior_logp_mean=plan.behavior_mean[idx], update_index=update_index, rewards=inp.rewards[idx],
+                   group_ids=inp.group_ids[idx], verified=inp.verified[idx], choice_key=plan.choice_key[idx],
+                   shard=counts), a.loss)
+    kl = None
+    if old.ref is not None and a.kl_coef > 0 and plan.own_rows[m] > 0:
+        kl = kl_k3(logp, old.ref[m][k], mi.resp * inp.is_self[idx][:, None], counts)
+        loss = loss + a.kl_coef * kl
+    return loss, met, kl
+
+
+def minibatch_counts(plan: StepPlan, m: int, old: OldPolicy, cfg: Config, update_index: int) -> list[float]:
+    """The counts the loss asks for over the whole of a cut mini-batch: recorded micro-batch by
+    micro-batch with pi_old in place of the new log-probs, summed (and over the ranks)."""
+    recorded = []
+    with torch.no_grad():
+        for k, mi in enumerate(plan.minibatches[m]):
+            rec = Recorder(plan.world_size)
+            objective(plan, m, k, old.logp[m][k], old, cfg, update_index, rec)
+            if not mi.phantom:
+                recorded.append(rec.values)
+    return micro_totals(recorded, plan.shard)
+
+
+def run_update(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, cfg: Config,
+               update_index: int) -> tuple[dict[str, fig.Part], list]:
+    """One optimizer update on mini-batch ``m``: one forward and backward per micro-batch (each
+    loss its share of the mini-batch's), then the clipped step. Returns the update's figures,
+    merged over its micro-batches (this rank's), and the loss's per-sample outputs."""
+    mb = plan.minibatches[m]
+    counts = plan.shard if len(mb) == 1 else None
+    totals = minibatch_counts(plan, m, old, cfg, update_index) if len(mb) > 1 else None
+    parts, samples, gn = [], [], None
+    for k, mi in enumerate(mb):
+        logp, ent = forward(opt.model, mi, cfg, with_entropy=True)
+        if old.logp[m][k] is None:  # the first mini-batch, before any update: this forward is pi_old
+            old.take(m, k, mi, logp.detach(), plan.inputs.is_self)
+        loss, met, kl = objective(plan, m, k, logp, old, cfg, update_index,
+                                  counts if totals is None else Replay(plan.world_size, totals=totals))
+        gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=k == len(mb) - 1)
+        if mi.phantom:
+            continue
+        per_sample = met.pop("samples", None)
+        if per_sample is not None:
+            samples.append((mi.idx, per_sample))
+        # the policy's entropy on its own samples (a peer's text says little about the learner's)
+        own_tok = mi.resp * plan.inputs.is_self[mi.idx][:, None]
+        parts.append({"loss": fig.share(loss), "entropy": fig.mean(ent, own_tok),
+                      **({"kl": fig.share(kl)} if kl is not None else {}), **met})
+    merged = fig.merge_all(parts)
+    # how far the step moved the weights, relative to their norm: "small step" per model
+    utw = opt.last_update_to_weight
+    return {"loss": merged.pop("loss"), "grad_norm": fig.same(gn), "entropy": merged.pop("entropy"),
+            **({"kl": merged.pop("kl")} if "kl" in merged else {}),
+            **({"update_to_weight": fig.same(utw)} if utw is not None else {}), **merged}, samples
+
+
+def with_weights(samples: list, rows: int) -> tuple[np.ndarray, dict]:
+    """One update's per-sample outputs as one entry, each sample weighted 1 / the mini-batch's
+    rows (over every rank), as a term enters the mini-batch's mean."""
+    idx = np.concatenate([i for i, _ in samples])
+    vals = {key: torch.cat([s[key].detach().float() for _, s in samples]) for key in samples[0][1]}
+    vals["weight"] = torch.full((len(idx),), 1.0 / max(1, rows), dtype=torch.float64)
+    return idx, vals
+
+
+# ----------------------------------------------------------------------------- 4. the step's figures
 
 def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray, learner: str) -> dict:
     """Step-level figures from the per-sample values a loss returned (its ``samples`` entry),
@@ -205,10 +394,9 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
     sample clipped out of the window adds a constant, and no gradient).
     """
     cols: dict[str, list] = {}
-    src, weight = [], []
+    src = []
     for idx, vals in samples:
         src.append(producers[idx])
-        weight.append(np.full(len(idx), 1.0 / max(1, len(idx))))
         for k, v in vals.items():
             cols.setdefault(k, []).append(v.numpy())
     src = np.concatenate(src)
@@ -219,14 +407,14 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
             sel = src == s
             r = cat["ratio"][sel]
             q = np.quantile(r, [0.1, 0.5, 0.9])
-            fig = {"mean": float(r.mean()), "q10": float(q[0]), "q50": float(q[1]), "q90": float(q[2]),
-                   "min": float(r.min()), "max": float(r.max()), "n": int(sel.sum())}
+            figs = {"mean": float(r.mean()), "q10": float(q[0]), "q50": float(q[1]), "q90": float(q[2]),
+                    "min": float(r.min()), "max": float(r.max()), "n": int(sel.sum())}
             for k in ("clipped_below", "clipped_above"):
                 if k in cat:
-                    fig[k] = float(cat[k][sel].mean())
-            out.update({f"ratio/{s}/{k}": v for k, v in fig.items()})
+                    figs[k] = float(cat[k][sel].mean())
+            out.update({f"ratio/{s}/{k}": v for k, v in figs.items()})
     if "term" in cat:
-        w = np.abs(cat["term"]) * np.concatenate(weight)
+        w = np.abs(cat["term"]) * cat["weight"]
         total = float(w.sum())
         out["cross_objective_share"] = float(w[src != learner].sum()) / total if total > 0 else 0.0
         if "active" in cat:
@@ -234,38 +422,6 @@ def sample_figures(samples: list[tuple[np.ndarray, dict]], producers: np.ndarray
             total = float(w.sum())
             out["cross_gradient_share"] = float(w[src != learner].sum()) / total if total > 0 else 0.0
     return out
-
-
-def kl_old_to_ref(packed: list, old: list[torch.Tensor], ref: list[torch.Tensor], is_self: torch.Tensor,
-                  shard: Shard | None = None) -> float | None:
-    """KL(pi_old || pi_ref) by k3 over the learner's own samples (drawn from pi_old), one value per
-    sample then their mean (over every rank's samples when sharded); None without own samples."""
-    per = []
-    for (idx, _ids, _attn, resp, *_), o, r in zip(packed, old, ref):
-        sm = resp * is_self[idx][:, None]
-        rows = sm.sum(1) > 0
-        if bool(rows.any()):
-            d = r - o
-            per.append(masked_mean(torch.exp(d) - d - 1, sm, dim=1)[rows])
-    if shard is not None and shard.world_size > 1:
-        vals = torch.cat(per) if per else torch.zeros(0)
-        n = shard.all_sum(vals.numel())
-        return shard.all_sum(float(vals.sum())) / n if n else None
-    return float(torch.cat(per).mean()) if per else None
-
-
-def rank_rows(prompt_ids: pd.Series, idx: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """The rows of mini-batch ``idx`` that rank ``rank`` trains on: whole prompt groups, the
-    groups dealt round-robin in their order in the mini-batch (a prompt's own and peer rows
-    stay together, so a loss that reads a group, SGT's gate, sees all of it)."""
-    if world_size == 1:
-        return idx
-    groups = list(dict.fromkeys(prompt_ids.iloc[idx].tolist()))
-    if len(groups) < world_size:
-        raise ValueError(f"a mini-batch holds {len(groups)} prompt groups, fewer than trainer.world_size "
-                         f"{world_size}: raise trainer.mini_batch_prompts or lower the world size")
-    mine = set(groups[rank::world_size])
-    return idx[prompt_ids.iloc[idx].isin(mine).to_numpy()]
 
 
 def _gather(obj):
@@ -289,230 +445,33 @@ def _summary(logs: list[dict]) -> dict:
     return out
 
 
-def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, prev_state: Path,
-                  out_state: Path, ref_model=None, omega: dict | None = None,
-                  reward_stats: pd.DataFrame | None = None) -> dict:
-    """Update ``agent.model`` in place on ``batch`` (its ``learner_input`` rows); return metrics.
-
-    ``omega``: the step's capability ratios ``omega[a][b]``; ``reward_stats``: the reward
-    statistics its subscription took, if any. The configured estimator and loss are looked up
-    by name; nothing here depends on which algorithm runs. The mini-batches follow
-    ``algorithm.minibatch_order`` (:func:`layout`); m, the update index the loss sees, counts
-    every update of the step.
-
-    Raises :class:`hacrl.rl.trainer.NonFiniteLossError` on a NaN/inf loss; the caller then
-    writes no checkpoint.
-    """
-    a, tc = cfg.algorithm, cfg.trainer
-    t0 = time.time()
-    adv_inp = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
-    loss_reg = LOSSES[a.loss.name]
-    offered = len(batch)
-    if loss_reg.rows is not None:  # rows the loss can never use cost no forward pass
-        keep = loss_reg.rows(adv_inp, a.loss).numpy()
-        batch = batch[keep].reset_index(drop=True)
-        adv_inp = advantage_inputs(batch, cfg, agent.name, omega, reward_stats)
-    adv = ADVANTAGES[a.advantage.name].fn(adv_inp, a.advantage)
-    loss_fn = loss_reg.fn
-    # a seeded uniform key per record, for losses that choose among rows at random
-    choice_key = torch.tensor([random.Random(f"{seed}/{rid}").random() for rid in batch["record_id"]],
-                              dtype=torch.float32)
-    is_self_all = adv_inp.is_self
-    behavior_mean = torch.tensor(batch["behavior_logprob_mean"].to_numpy(), dtype=torch.float32)
-    # omega[source][learner] of each sample: the discrepancy coefficient
-    omega_src = adv_inp.omega[adv_inp.source_ids, adv_inp.learner]
-    rank, world_size = world()
-    shard = Shard(world_size) if world_size > 1 else None
-    # data parallelism: every rank lays out the same mini-batches and keeps its prompt groups
-    mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in layout(batch, cfg, agent.name, seed)]
-    pad = agent.tokenizer.pad_token_id
-    # each mini-batch cut into micro-batches within the memory budget (one when there is none)
-    lengths = (batch["input_prompt_ids"].map(len) + batch["input_response_ids"].map(len)).to_numpy()
-    group_codes = adv_inp.group_ids.numpy() if loss_reg.split == "groups" else None
-    packed: list[list[Micro]] = []
-    over = 0
-    for idx in mbs:
-        parts, o = plan_micro(lengths[idx], group_codes[idx] if group_codes is not None else None,
-                              tc.micro_batch_tokens, tc.micro_batch_samples)
-        over += o
-        packed.append([_micro(batch, idx[part], pad, tc.response_logits_only) for part in parts])
-    if over:
-        log.warning("%s: %d %s longer than trainer.micro_batch_tokens=%d (or more rows than micro_batch_samples=%d): "
-                    "each is a micro-batch of its own (nothing is truncated)", agent.name, over,
-                    "prompt groups" if group_codes is not None else "rows", tc.micro_batch_tokens,
-                    tc.micro_batch_samples)
-    if shard is not None and any(len(mb) > 1 for mb in packed):
-        # every rank takes as many micro-batches per update (ZeRO 2 reduces at each): a rank with
-        # fewer runs a phantom one (its smallest again, weighted 0)
-        need = [int(x) for x in _all_max([len(mb) for mb in packed])]
-        phantoms = sum(n - len(mb) for mb, n in zip(packed, need))
-        for mb, n in zip(packed, need):
-            while len(mb) < n:
-                mb.append(dataclasses.replace(min(mb, key=lambda x: x.ids.numel()), phantom=True))
-        if phantoms:
-            log.info("%s: rank %d runs %d phantom micro-batches (another rank needs more)", agent.name, rank, phantoms)
-    split_mbs = any(len(mb) > 1 for mb in packed)
-
-    samples_per_mb = max(len(i) for i in mbs) if mbs else 1
-    if tc.gradient_checkpointing:
-        enable_checkpointing(agent.model)
-    opt = PolicyOptimizer(agent.model, tc, samples_per_mb)
-    seed_rng(seed)  # a first step's saved RNG state is then reproducible; a resumed one is restored
-    opt.load_state(prev_state)
-    model = opt.model
-    train_mode(model, tc.gradient_checkpointing)  # no dropout in RL updates; gradients still flow
-
-    # old log-probs (pi_old): the policy before the step's first update. ``recompute_old_logprobs``
-    # (verl's "recompute"): the trainer's own forward for every sample, so the first update's
-    # ratio is exactly 1. The first mini-batch's pi_old is then its first training forward,
-    # detached (the same bits as a no-grad pass, measured in tests/test_update_speed.py), so the
-    # no-grad pass covers the other mini-batches only. Off: own samples of an engine whose
-    # generation log-probs are the trainer's (transformers) keep them; rows that are not
-    # (cross samples, in another tokenizer's tokens; vLLM's kernels) are still recomputed. Either
-    # way the generation log-probs are compared with the trainer's where both exist. Every pass
-    # runs one micro-batch at a time.
-    exact_engine = engine_spec(cfg.rollout.engine).exact_logprobs
-    old: list[list[torch.Tensor | None]] = [[None] * len(mb) for mb in packed]
-    gen_gap = 0.0
-    chunk = tc.logprob_chunk
-
-    def pi_old(lp: torch.Tensor, mi: Micro) -> torch.Tensor:
-        """A micro-batch's pi_old from the trainer's log-probs ``lp`` at the step's start; also
-        records how far the generation log-probs are from them."""
-        nonlocal gen_gap
-        self_mask = mi.resp * is_self_all[mi.idx][:, None]
-        if bool(self_mask.any()):
-            gen_gap = max(gen_gap, float(((lp - mi.gen_lp).abs() * self_mask).max()))
-        if tc.recompute_old_logprobs or not exact_engine:
-            return lp
-        return torch.where(self_mask.bool(), mi.gen_lp, lp)
-
-    def needs_pass(m: int, mi: Micro) -> bool:
-        if ref_model is not None or split_mbs:  # pi_old of every micro-batch is read before its forward
-            return True
-        if m == 0:  # its first training forward (before any step) is pi_old
-            return False
-        return tc.recompute_old_logprobs or not exact_engine or not bool(is_self_all[mi.idx].all())
-
-    recomputed = 0
-    with torch.no_grad():
-        for m, mb in enumerate(packed):
-            for k, mi in enumerate(mb):
-                if needs_pass(m, mi):
-                    old[m][k] = pi_old(token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature,
-                                                      span=mi.span, chunk=chunk), mi)
-                    recomputed += 0 if mi.phantom else len(mi.idx)
-                elif m > 0:  # own samples of an exact engine
-                    old[m][k] = mi.gen_lp
-        ref: list[list[torch.Tensor]] = []
-        if ref_model is not None:
-            ref = [[token_logprobs(ref_model, mi.ids, mi.attn, cfg.rollout.temperature, span=mi.span, chunk=chunk)
-                    for mi in mb] for mb in packed]
-        flat = [(mi.idx, mi.ids, mi.attn, mi.resp) for mb in packed for mi in mb if not mi.phantom]
-        kl_before = kl_old_to_ref(flat, [o for mb, ob in zip(packed, old) for mi, o in zip(mb, ob) if not mi.phantom],
-                                  [r for mb, rb in zip(packed, ref) for mi, r in zip(mb, rb) if not mi.phantom],
-                                  is_self_all, shard) if ref else None
-
-    def objective(m: int, k: int, logp: torch.Tensor, part: Shard | None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
-        """Micro-batch k of mini-batch m: the registered loss (+ KL) on log-probs ``logp``."""
-        mi = packed[m][k]
-        idx, sf = mi.idx, is_self_all[mi.idx]
-        loss, met = loss_fn(LossInputs(logp=logp, old_logp=old[m][k], mask=mi.resp, advantages=adv[idx],
-                                       is_self=sf, omega_src=omega_src[idx], behavior_logp=mi.behavior,
-                                       behavior_logp_mean=behavior_mean[idx], update_index=update_index,
-                                       rewards=adv_inp.rewards[idx], group_ids=adv_inp.group_ids[idx],
-                                       verified=adv_inp.verified[idx], choice_key=choice_key[idx], shard=part),
-                            a.loss)
-        # KL on self samples only; an update without any (a cross block) has no KL term. A
-        # micro-batch asks for the same counts whatever its rows: its KL term is always there
-        # (0 without own rows), so recording and replay pair up
-        if isinstance(part, (Recorder, Replay)):
-            kl = kl_k3(logp, ref[m][k], mi.resp * sf[:, None], part) if ref and a.kl_coef > 0 else None
-        else:
-            any_self = bool(sf.any()) if part is None else (bool(ref) and a.kl_coef > 0 and part.all_sum(sf.sum()) > 0)
-            kl = kl_k3(logp, ref[m][k], mi.resp * sf[:, None], part) if ref and a.kl_coef > 0 and any_self else None
-        if kl is not None:
-            loss = loss + a.kl_coef * kl
-        return loss, met, kl
-
-    logs, loss_metrics, samples = [], {}, []
-    rng = random.Random(seed)
-    order = list(range(len(packed)))
-    update_index = 0  # m: the optimizer update's index within this step (all epochs)
-    for epoch in range(tc.epochs):
-        if epoch > 0 and a.minibatch_order == "prompt_groups":
-            rng.shuffle(order)
-        for m in order:
-            mb = packed[m]
-            if len(mb) == 1 and not mb[0].phantom:  # the whole mini-batch in one forward
-                mi = mb[0]
-                logp, ent = token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=True,
-                                           span=mi.span, chunk=chunk)
-                if old[m][0] is None:  # the first mini-batch, before any update: this forward is pi_old
-                    old[m][0] = pi_old(logp.detach(), mi)
-                loss, met, kl = objective(m, 0, logp, shard)
-                parts = [(mi, met.pop("samples", None))]
-                gn = opt.step(loss)
-                sf = is_self_all[mi.idx]
-                entropy = masked_mean(ent.detach(), mi.resp * sf[:, None]).item() if bool(sf.any()) else float("nan")
-                loss_v, kl_v, mets = loss.item(), (kl.item() if kl is not None else None), [met]
-            else:  # micro-batches: the mini-batch's counts first, then one forward + backward each
-                recorders = []
-                with torch.no_grad():
-                    for k, mi in enumerate(mb):
-                        rec = Recorder(world_size)
-                        objective(m, k, old[m][k], rec)
-                        recorders.append(rec.values)
-                counts = micro_totals([r for r, mi in zip(recorders, mb) if not mi.phantom], shard)
-                loss_v, kl_v, mets, parts, ent_sum, ent_n = 0.0, None, [], [], 0.0, 0.0
-                for k, mi in enumerate(mb):
-                    logp, ent = token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=True,
-                                               span=mi.span, chunk=chunk)
-                    loss, met, kl = objective(m, k, logp, Replay(world_size, totals=counts))
-                    gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=k == len(mb) - 1)
-                    if mi.phantom:
-                        continue
-                    own_tok = mi.resp * is_self_all[mi.idx][:, None]
-                    ent_sum += float((ent.detach() * own_tok).sum())
-                    ent_n += float(own_tok.sum())
-                    loss_v += loss.item()
-                    kl_v = (kl_v or 0.0) + kl.item() if kl is not None else kl_v
-                    parts.append((mi, met.pop("samples", None)))
-                    mets.append(met)
-                entropy = ent_sum / ent_n if ent_n else float("nan")
-                met = _mean_metrics(mets)
-            update_index += 1
-            per_sample = [(mi.idx, s) for mi, s in parts if s is not None]
-            if per_sample:  # one entry per mini-batch: the weights in sample_figures are per update
-                samples.append((np.concatenate([i for i, _ in per_sample]),
-                                {key: torch.cat([s[key].detach().float() for _, s in per_sample])
-                                 for key in per_sample[0][1]}))
-            loss_metrics.update(dict.fromkeys(met))
-            # the policy's entropy on its own samples (a peer's text says little about the learner's)
-            # how far the step moved the weights, relative to their norm: "small step" per model
-            utw = opt.last_update_to_weight
-            logs.append({"loss": loss_v, "grad_norm": gn, "entropy": entropy,
-                         **({"kl": kl_v} if kl_v is not None else {}),
-                         **({"update_to_weight": utw} if utw is not None else {}), **met})
-    opt.save_state(out_state)
-    if shard is not None:  # rank 0 reports for all: the ranks' figures, gathered
-        gap_all = _gather(gen_gap)
-        gen_gap = max(gap_all)
-        logs = [{k: float(np.nanmean([x[k] for x in per if k in x])) for k in dict.fromkeys(k for x in per for k in x)}
-                for per in zip(*_gather(logs))]
+def step_figures(plan: StepPlan, updates: list[dict], samples: list, old: OldPolicy, opt: PolicyOptimizer,
+                 cfg: Config, learner: str, secs: float) -> dict:
+    """The step's figures (what update_stats.json keeps for the learner): each update's merged
+    over the ranks, their summary over updates, per-update series, per-sample distributions,
+    the loss's own step figures, and the step's bookkeeping."""
+    gen_gap = old.gen_gap
+    if plan.shard is not None:  # rank 0 reports for all: the ranks' parts, gathered and merged
+        gen_gap = max(_gather(gen_gap))
+        updates = [fig.merge_all(list(per), ranks=plan.world_size) for per in zip(*_gather(updates))]
         samples = [s for per in _gather(samples) for s in per]
-    secs = time.time() - t0
-    n_tok = int(sum(len(x) for x in batch["input_response_ids"]))
+    logs = [{k: float(v) for k, v in u.items()} for u in updates]
     summary = _summary(logs)
     if "kl" in summary:
         summary["kl_to_init"] = summary.pop("kl")
+    kl_before = kl_old_to_ref(plan, old)
     if kl_before is not None:
         summary["kl_init_before_step"] = kl_before
-    rewards = adv_inp.rewards
+    batch, inp, adv = plan.batch, plan.inputs, plan.advantages
+    loss_reg = LOSSES[cfg.algorithm.loss.name]
     if samples:
-        summary.update(sample_figures(samples, batch["producer"].to_numpy(), agent.name))
+        summary.update(sample_figures(samples, batch["producer"].to_numpy(), learner))
         if loss_reg.hooks is not None:  # the loss's own step figures (SGT: its rescues)
             summary.update(loss_reg.hooks.figures(samples, batch))
+    loss_keys = dict.fromkeys(k for u in updates for k in u if k not in ("loss", "grad_norm", "entropy", "kl",
+                                                                         "update_to_weight"))
+    is_self = inp.is_self
+    n_tok = int(sum(len(x) for x in batch["input_response_ids"]))
     return {"samples": len(batch), "updates": len(logs), "total_updates": opt.state.updates, **summary,
             # the first update's ratio on the learner's own samples (1 by construction); absent
             # when that update holds none
@@ -521,17 +480,80 @@ def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, pre
             # the loss's own figures and the gradient norm per update, in update order (null where
             # not defined): an update whose samples are all clipped has a small gradient, yet Adam
             # still moves the weights along its momentum
+            # (the KL term where any update has one: none in an update without own samples)
             "per_update": {k: [x[k] if k in x and np.isfinite(x[k]) else None for x in logs]
-                           for k in [*loss_metrics, "grad_norm", "update_to_weight"]},
+                           for k in [*loss_keys, "grad_norm", "update_to_weight",
+                                     *(["kl"] if any("kl" in x for x in logs) else [])]},
             # the learner's own samples only: a sharing algorithm's peer rows (SGT's injected
             # successes, HACPO's cross samples) would otherwise make the learner look better
-            "reward_mean": float(rewards[is_self_all].mean()) if bool(is_self_all.any()) else 0.0,
-            **({"reward_mean_pooled": float(rewards.mean())} if bool((~is_self_all).any()) else {}),
+            "reward_mean": float(inp.rewards[is_self].mean()) if bool(is_self.any()) else 0.0,
+            **({"reward_mean_pooled": float(inp.rewards.mean())} if bool((~is_self).any()) else {}),
             "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
-            "cross_samples": int((~is_self_all).sum()),
-            **({"rows_dropped_by_loss": offered - len(batch)} if loss_reg.rows is not None else {}),
+            "cross_samples": int((~is_self).sum()),
+            **({"rows_dropped_by_loss": plan.offered - len(batch)} if loss_reg.rows is not None else {}),
             # forwards per epoch when the memory budget cut the mini-batches (else one per update)
-            **({"micro_batches": sum(1 for mb in packed for mi in mb if not mi.phantom)} if split_mbs else {}),
-            "gen_vs_train_logprob_maxdiff": gen_gap, "old_logprobs_recomputed": recomputed,
+            **({"micro_batches": sum(1 for mb in plan.minibatches for mi in mb if not mi.phantom)}
+               if plan.split else {}),
+            "gen_vs_train_logprob_maxdiff": gen_gap, "old_logprobs_recomputed": old.recomputed,
             "seconds": round(secs, 2),
-            "tokens_per_s": round(n_tok * tc.epochs / max(secs, 1e-9), 1)}
+            "tokens_per_s": round(n_tok * cfg.trainer.epochs / max(secs, 1e-9), 1)}
+
+
+# ----------------------------------------------------------------------------- the step
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing of every decoder layer (transformers', non-reentrant)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train_mode(model, checkpointing: bool) -> None:
+    """Evaluation mode (no dropout) for the update's forwards; with activation checkpointing the
+    decoder layers alone are marked training, which is what makes transformers checkpoint them
+    (their attention and dropout modules stay in evaluation mode)."""
+    model.eval()
+    if checkpointing:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        for mod in model.modules():
+            if isinstance(mod, GradientCheckpointingLayer):
+                mod.training = True
+
+
+def open_optimizer(agent: Agent, plan: StepPlan, cfg: Config, seed: int, prev_state: Path) -> PolicyOptimizer:
+    """The learner's optimizer (DeepSpeed or torch) with its recovery state and the step's RNG."""
+    tc = cfg.trainer
+    if tc.gradient_checkpointing:
+        enable_checkpointing(agent.model)
+    rows = [sum(len(mi.idx) for mi in mb if not mi.phantom) for mb in plan.minibatches]  # this rank's, per update
+    opt = PolicyOptimizer(agent.model, tc, max(rows) if rows else 1)
+    seed_rng(seed)  # a first step's saved RNG state is then reproducible; a resumed one is restored
+    opt.load_state(prev_state)
+    train_mode(opt.model, tc.gradient_checkpointing)  # no dropout in RL updates; gradients still flow
+    return opt
+
+
+def train_learner(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, prev_state: Path,
+                  out_state: Path, ref_model=None, omega: dict | None = None,
+                  reward_stats: pd.DataFrame | None = None) -> dict:
+    """Update ``agent.model`` in place on ``batch`` (its ``learner_input`` rows); return its figures.
+
+    ``omega``: the step's capability ratios ``omega[a][b]``; ``reward_stats``: the reward
+    statistics its subscription took, if any. The configured estimator and loss are looked up
+    by name. The mini-batches follow ``algorithm.minibatch_order``; m, the update index the loss
+    sees, counts every update of the step (all epochs).
+
+    Raises :class:`hacrl.rl.trainer.NonFiniteLossError` on a NaN/inf loss; the caller then
+    writes no checkpoint.
+    """
+    t0 = time.time()
+    plan = plan_step(agent, batch, cfg, seed, omega, reward_stats)
+    opt = open_optimizer(agent, plan, cfg, seed, prev_state)
+    old = old_logprobs(opt.model, ref_model, plan, cfg)
+    updates, samples = [], []
+    for update_index, m in enumerate(update_order(len(plan.minibatches), cfg, seed)):
+        figures, per_sample = run_update(opt, plan, m, old, cfg, update_index)
+        updates.append(figures)
+        if per_sample:  # one entry per update: a sample weighs as its mini-batch's mean says
+            samples.append(with_weights(per_sample, plan.minibatch_rows[m]))
+    opt.save_state(out_state)
+    return step_figures(plan, updates, samples, old, opt, cfg, agent.name, time.time() - t0)

@@ -79,7 +79,8 @@ def _trl_inputs(cfg, name: str, t: int):
     from hacrl.pipeline.common import hash_seed
     from hacrl.pipeline.common import layout as _layout
     from hacrl.rl.algorithms import ADVANTAGES
-    from hacrl.rl.update import advantage_inputs, layout
+    from hacrl.rl.layout import layout
+    from hacrl.rl.update import advantage_inputs
     from hacrl.storage import read_json
 
     lay = _layout(cfg)
