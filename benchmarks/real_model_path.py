@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hacrl.pipeline import params, table
 from hacrl.pipeline.common import split
-from hacrl.pipeline.engines import vllm_python
+from hacrl.rollout.vllm_engine import vllm_python
 from hacrl.pipeline.in_process import prepare_experiment
 from hacrl.pipeline.stages.generate_rollouts import logprob_gap
 from hacrl.storage import RunLayout
@@ -84,10 +84,10 @@ def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -
         comps = HFEngine(agent.model, agent.tokenizer, batch_size=n_prompts * n_samples).generate(rendered, params)
         hf_s = time.time() - t0
         hf_tok = sum(len(c.token_ids) for c in comps)
-        eng = VLLMEngine(ckpt, agent.tokenizer, python=vllm_python(cfg.engines.vllm_python),
-                         max_model_len=min(4096, agent.model.config.max_position_embeddings),
-                         dtype="bfloat16" if dtype == "bf16" else "float32", threads=cfg.experiment.threads,
-                         kv_cache_gib=cfg.engines.vllm_kv_cache_gib)
+        eng = VLLMEngine.local(ckpt, agent.tokenizer, python=vllm_python(cfg.engines.vllm.python),
+                               max_model_len=min(4096, agent.model.config.max_position_embeddings),
+                               dtype="bfloat16" if dtype == "bf16" else "float32", threads=cfg.experiment.threads,
+                               kv_cache_gib=cfg.engines.vllm.kv_cache_gib)
         try:
             t0 = time.time()
             vcomps = eng.generate(rendered, params)
@@ -99,7 +99,7 @@ def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -
         rows.append({"dtype": dtype, "sequences": len(comps),
                      "hf_tokens": hf_tok, "hf_s": round(hf_s, 1), "hf_tokens_per_s": round(hf_tok / hf_s, 1),
                      "vllm_tokens": v_tok, "vllm_s": round(v_s, 1), "vllm_tokens_per_s": round(v_tok / v_s, 1),
-                     "speedup": round((v_tok / v_s) / (hf_tok / hf_s), 2), "vllm_startup_s": round(eng.startup_s, 1),
+                     "speedup": round((v_tok / v_s) / (hf_tok / hf_s), 2), "vllm_startup_s": round(eng.cost["engine_startup_s"], 1),
                      "logprob_gap_mean": gap.get("logprob_gap_mean"), "logprob_gap_max": gap.get("logprob_gap_max")})
         del agent
     return rows

@@ -51,7 +51,7 @@ if not on_cpu and not torch.cuda.is_available():
 project = Path.cwd()
 from hacrl.pipeline import params, table  # noqa: E402
 from hacrl.pipeline.common import resource_plan  # noqa: E402
-from hacrl.pipeline.engines import vllm_python  # noqa: E402
+from hacrl.rollout.vllm_engine import vllm_python  # noqa: E402
 
 n = 0 if on_cpu else torch.cuda.device_count()
 gib = [round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1) for i in range(n)]

@@ -109,6 +109,96 @@ def assert_same_figures(whole: dict, cut: dict, where: str, tol: float = 1e-6) -
             assert y == pytest.approx(x, rel=t, abs=t), f"{where}: {k} whole {x} cut {y}"
 
 
+def fixed_rewards(df):
+    """A fixed 0/1 reward per record (a third of them 1, spread within prompt groups): the barely
+    warmed-up tiny pool scores about 0, which trains nothing."""
+    n = df["record_id"].map(lambda r: sum(map(ord, r)))
+    return ((n % 3) == 0).astype(float)
+
+
+class Workspaces:
+    """Scratch workspaces of the tiny pool (:data:`SMOKE`), all under one directory that holds
+    the task data (stages read ``data/`` from the working directory, as under DVC). The pool is
+    prepared once, by the stage table's prepare stages; each variant copies its iteration 0 and
+    runs the table's iteration stages in order."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: dict = {}
+
+    def config(self, name: str, *overrides: str):
+        """SMOKE + ``overrides``, its runs and reports under ``root/name``."""
+        from hacrl.pipeline import params
+
+        d = params.compose([*SMOKE, *overrides])
+        d["experiment"]["runs_dir"] = str(self.root / name / "runs")
+        d["experiment"]["reports_dir"] = str(self.root / name / "reports")
+        return params.from_dict(d)
+
+    def inside(self):
+        """A context in the workspaces' directory (where ``data/`` is)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def cd():
+            cwd = os.getcwd()
+            os.chdir(self.root)
+            try:
+                yield self.root
+            finally:
+                os.chdir(cwd)
+        return cd()
+
+    def prepared(self) -> Path:
+        """Iteration 0 of the pool (data, checkpoints, train state, capability), once."""
+        from hacrl.pipeline import table
+
+        base = self.root / "base" / "runs" / "it0"
+        if not base.exists():
+            cfg = self.config("base")
+            with self.inside():
+                for s in table.STAGES:
+                    if s.kind == table.PREPARE:
+                        table.run(s.name, cfg)
+        return base
+
+    def iteration(self, name: str, *overrides: str, until: str = "update-policies", rewards=None):
+        """Workspace ``name`` (a config of ``overrides``) with iteration 1 run up to, not
+        including, stage ``until``; ``rewards`` (verdict rows -> 0/1) replaces the verifier's
+        rewards after verify-rewards. Made once per name; returns its config."""
+        import shutil
+
+        from hacrl.exchange.experience import read_records, write_records
+        from hacrl.pipeline import table
+        from hacrl.storage import RunLayout
+
+        if name in self._done:
+            return self._done[name]
+        cfg = self.config(name, *overrides)
+        lay = RunLayout(cfg.experiment.runs_dir)
+        shutil.copytree(self.prepared(), lay.it(0))
+        with self.inside():
+            for stage in table.iteration_stages():
+                if stage == until:
+                    break
+                table.run(stage, cfg, 1)
+                if stage == "verify-rewards" and rewards is not None:
+                    for a in cfg.agents:
+                        f = lay.rewards(1) / f"{a.name}.parquet"
+                        df = read_records(f, "verdict")
+                        df["reward"] = rewards(df)
+                        df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
+                        write_records(f, df, "verdict")
+        self._done[name] = cfg
+        return cfg
+
+
+@pytest.fixture(scope="session")
+def workspaces(tmp_path_factory) -> Workspaces:
+    """The tiny pool's scratch workspaces, prepared once per test session (see :class:`Workspaces`)."""
+    return Workspaces(tmp_path_factory.mktemp("workspaces"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_stage_server():
     """Stage processes the tests start leave a warm stage server behind (hacrl.ops.stage_server):

@@ -41,7 +41,7 @@ def test_rollout_suite_generates_the_same_tokens_both_ways(tmp_path):
 def test_rollout_suite_on_smollm2_with_vllm_where_installed(tmp_path):
     import os
 
-    from hacrl.pipeline.engines import vllm_python
+    from hacrl.rollout.vllm_engine import vllm_python
 
     res = _bench("rollout_smollm2", tmp_path)
     c = res["contenders"]

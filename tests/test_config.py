@@ -46,8 +46,8 @@ def test_overrides_reach_the_typed_config():
     ("trainer.zero_stage=7", "trainer.zero_stage", "7"),
     ("+rollout.bogus=1", "rollout.bogus", "1"),
     ("rollout.engine=sglang", "rollout.engine", "sglang"),
-    ("engines.vllm_kv_cache_gib=0", "engines.vllm_kv_cache_gib", "0"),
-    ("engines.vllm_gpu_memory_utilization=1.5", "engines.vllm_gpu_memory_utilization", "1.5"),
+    ("engines.vllm.kv_cache_gib=0", "engines.vllm.kv_cache_gib", "0"),
+    ("engines.vllm.gpu_memory_utilization=1.5", "engines.vllm.gpu_memory_utilization", "1.5"),
     ("+agents.pool.0.fetch=llama70b", "agents[0].fetch", "llama70b"),
 ])
 def test_bad_config_fails_at_start_with_one_line(tmp_path, override, key, value):

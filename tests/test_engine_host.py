@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from conftest import dvc_workspace
-from hacrl.pipeline.engines import vllm_python
+from hacrl.rollout.vllm_engine import vllm_python
 from hacrl.rollout import engine_host
 
 pytestmark = pytest.mark.slow

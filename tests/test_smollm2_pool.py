@@ -14,7 +14,7 @@ import pytest
 
 from hacrl.exchange.experience import read_records
 from hacrl.pipeline import params, table
-from hacrl.pipeline.engines import vllm_python
+from hacrl.rollout.vllm_engine import vllm_python
 from hacrl.pipeline.in_process import run_in_process
 from hacrl.storage import RunLayout
 
@@ -52,7 +52,7 @@ def test_smollm2_pool_through_the_stages_with_both_engines(tmp_path):
         for a in ("smollm2-135m", "qwen2-embedded"):
             assert lay.checkpoint(1, a).is_dir()
 
-        if not vllm_python(hf.engines.vllm_python).exists():
+        if not vllm_python(hf.engines.vllm.python).exists():
             if os.environ.get("HACRL_REQUIRE_VLLM") == "1":
                 pytest.fail("HACRL_REQUIRE_VLLM=1 but there is no vLLM environment (make setup-vllm)")
             pytest.skip("no vLLM environment (make setup-vllm)")

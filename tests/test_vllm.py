@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hacrl.pipeline.engines import vllm_python
+from hacrl.rollout.vllm_engine import vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def _perturbed(model, d_new, scale=0.3):
 def _engine(d, tok):
     from hacrl.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(d, tok, python=PYTHON, max_model_len=128, dtype="float32", seed=0, threads=2, timeout_s=600)
+    return VLLMEngine.local(d, tok, python=PYTHON, max_model_len=128, dtype="float32", seed=0, threads=2, timeout_s=600)
 
 
 def _prompts(ac, tiny_problems, n=24):
@@ -110,7 +110,7 @@ def test_vllm_untied_greedy_sampled_logprobs_and_in_place_sync(tmp_path, tiny_pr
         d2 = tmp_path / "untied-2"
         model2 = _perturbed(model, d2)
         tok.save_pretrained(d2)
-        sync = eng.reload(d2)
+        sync = eng.load_weights(d2)
         assert sync["mode"] == "in_place"
         after_sync = _greedy(eng, prompts)
     hf2 = _greedy(HFEngine(model2, tok), prompts)
@@ -135,7 +135,7 @@ def test_vllm_tied_embeddings_sync_in_place(tmp_path, tiny_problems):
         d2 = tmp_path / "tied-2"
         model2 = _perturbed(model, d2)
         tok.save_pretrained(d2)
-        sync = eng.reload(d2)
+        sync = eng.load_weights(d2)
         assert sync["mode"] == "in_place"
         assert _greedy(eng, prompts) == _greedy(HFEngine(model2, tok), prompts)
         synced = [(c.token_ids, c.logprobs) for c in eng.generate(prompts, sampling)]
@@ -149,6 +149,6 @@ def test_vllm_worker_errors_are_clear(tmp_path, tiny_problems):
 
     ac, tok, model, d = _model(tmp_path, tiny_problems, tied=False)
     with pytest.raises(EngineError, match="no vLLM environment"):
-        VLLMEngine(d, tok, python=tmp_path / "nope" / "python", max_model_len=128)
+        VLLMEngine.local(d, tok, python=tmp_path / "nope" / "python", max_model_len=128)
     with pytest.raises(EngineError):
-        VLLMEngine(tmp_path / "missing-model", tok, python=PYTHON, max_model_len=128, timeout_s=300)
+        VLLMEngine.local(tmp_path / "missing-model", tok, python=PYTHON, max_model_len=128, timeout_s=300)

@@ -273,6 +273,37 @@ def job_cores(res: ResourcesConfig, job: Job, host_threads: int) -> tuple[int, i
     return min(mine) * per, job_threads(res, job, host_threads)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A job in the terms its processes take, from one call (:func:`placement`): its threads,
+    its cores, its environment, its GPUs, where an in-process model goes and its token budget."""
+
+    job: Job
+    threads: int
+    """CPU threads: the host's on ``cpu`` (and next to GPUs), an equal share per ``cpu:N`` device."""
+    cores: tuple[int, int] | None
+    """(first core, count) to bind on ``cpu:N`` shares, so concurrent jobs take disjoint cores;
+    None on the whole host or on GPUs."""
+    env: dict[str, str]
+    """Added to the environment of the job's processes: ``CUDA_VISIBLE_DEVICES`` (empty on the CPU)."""
+    gpus: int
+    """Its GPUs (0 on the CPU): an update's ranks, an engine's tensor-parallel size."""
+    device: str | None
+    """Where an in-process model goes: the job's first GPU (``cuda:N``), None on the CPU."""
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """Token budget per forward batch (0: the engine's default)."""
+        return self.job.max_batch_tokens
+
+
+def placement(res: ResourcesConfig, job: Job, host_threads: int) -> Placement:
+    """Everything a stage needs to run ``job`` where the plan put it."""
+    gpus = [x for x in job.devices if x.startswith("cuda:")]
+    return Placement(job, job_threads(res, job, host_threads), job_cores(res, job, host_threads),
+                     device_env(job.devices), len(gpus), gpus[0] if gpus else None)
+
+
 def run_stage(p: ResourcePlan, stage: str, run_job: Callable[[Job], T],
               release: Callable[[Release], None] | None = None) -> dict[str, T]:
     """Carry out ``stage``'s waves: in turn, and a wave's jobs at the same time (threads: a job's

@@ -516,22 +516,31 @@ class EvalConfig(Settings):
 # ----------------------------------------------------------------------------- how it runs (no effect on results)
 
 @dataclass
-class EnginesConfig(Settings):
-    """How the rollout engines run (no effect on results: the engine itself is ``rollout.engine``)."""
+class VllmSettings(Settings):
+    """``rollout.engine: vllm``: how its worker process runs (the engine table's ``vllm`` row
+    reads this section; no effect on results)."""
 
-    vllm_python: str = ".venv-vllm/bin/python"
+    python: str = ".venv-vllm/bin/python"
     """The vLLM environment's interpreter (relative to the project root), built by ``make setup-vllm``;
     Python 3.11 or later (the worker starts with ``-P``)."""
-    vllm_threads: int = setting(0, ge=0, le=4096)
-    """CPU threads of a vLLM worker on a CPU host (0: ``experiment.threads``)."""
-    vllm_kv_cache_gib: int = setting(1, ge=1, le=1 << 20)
+    threads: int = setting(0, ge=0, le=4096)
+    """CPU threads of a vLLM worker on a CPU host (0: the job's share of ``experiment.threads``)."""
+    kv_cache_gib: int = setting(1, ge=1, le=1 << 20)
     """KV cache of a vLLM worker on a CPU host (``VLLM_CPU_KVCACHE_SPACE``)."""
-    vllm_max_model_len: int = setting(0, ge=0, le=1 << 24)
+    max_model_len: int = setting(0, ge=0, le=1 << 24)
     """Prompt + response tokens per sequence (0: the model's ``max_position_embeddings``, at most 4096)."""
-    vllm_gpu_memory_utilization: float = setting(0.85, gt=0, le=1)
+    gpu_memory_utilization: float = setting(0.85, gt=0, le=1)
     """Fraction of a GPU's memory vLLM may take (GPU hosts only)."""
-    vllm_timeout_s: float = setting(900.0, gt=0, le=86400.0)
+    timeout_s: float = setting(900.0, gt=0, le=86400.0)
     """A vLLM worker that does not answer a request (start-up included) in this time is stopped."""
+
+
+@dataclass
+class EnginesConfig(Settings):
+    """How the rollout engines run (no effect on results: the engine itself is ``rollout.engine``).
+    An engine with settings of its own has a section here, named by its row of the engine table."""
+
+    vllm: VllmSettings = field(default_factory=VllmSettings)
     host: bool = True
     """Stages run by ``dvc repro``, Prefect or ``hacrl stage`` get their engine processes (vLLM
     workers) from the workspace's engine host, which keeps them across stages and iterations and

@@ -1,24 +1,23 @@
 """A stage's rollout engines: opened for an agent's MWRA job, kept or released as the plan says.
 
 The engine itself comes from the engine table (:mod:`hacrl.rollout.table`, ``rollout.engine``);
-this module turns a job of the resource plan (its devices, cores and token budget) into an
+this module turns a job's placement (:func:`hacrl.resources.placement`) into an
 :class:`~hacrl.rollout.engine.EngineRequest`, reuses an engine an in-process run keeps across
-iterations (syncing it to the checkpoint the stage reads), and carries out the plan's releases.
-What an engine can do is read from its row (``in_process``, ``keeps_alive``, ``can_sleep``),
-never from its name.
+iterations (loading the checkpoint the stage reads), and keeps the stage's sessions until the plan
+releases them (:class:`StageEngines`). What an engine can do is read from its row
+(``in_process``, ``keeps_alive``, ``hostable``, ``can_sleep``) and whether a session is the
+engine host's from the session (``hosted``), never from a name or a probed method.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from pathlib import Path
 
 from hacrl.config.schema import AgentConfig, Config
 from hacrl.hashes import cached_dvc_hash
-from hacrl.pipeline.params import CONF_DIR
-from hacrl.resources import Job, Release, device_env, job_cores, on_gpus
+from hacrl.resources import Placement, Release
 from hacrl.rollout import engine_host
 from hacrl.rollout.engine import EngineRequest, RolloutEngine
 from hacrl.rollout.table import engine_spec
@@ -55,47 +54,37 @@ def verifier_lease(cfg: Config):
     return engine_host.VerifierLease(Path.cwd(), cfg.engines.host_idle_s) if hosted(cfg) else None
 
 
-def vllm_python(path: str) -> Path:
-    """The vLLM interpreter: an absolute path as is; a relative one from the working directory if
-    it exists there, else from the project root (where ``make setup-vllm`` builds it)."""
-    p = Path(path)
-    if p.is_absolute() or (Path.cwd() / p).exists():
-        return p.absolute()
-    return CONF_DIR.parent / p
+def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, where: Placement | None = None,
+                live: dict | None = None, desc: str = "rollouts") -> RolloutEngine:
+    """A session of the agent's rollout engine (``rollout.engine``) over the checkpoint in
+    ``model_dir``; what opening it cost is its ``cost``.
 
-
-def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict | None = None,
-                desc: str = "rollouts", job: Job | None = None,
-                threads: int | None = None) -> tuple[RolloutEngine, dict]:
-    """The agent's rollout engine over the checkpoint in ``model_dir`` (``rollout.engine``).
-
-    An in-process engine wraps the loaded ``agent``; one with a process of its own starts, or,
-    given ``live`` (the engines an in-process run keeps across iterations), the agent's running
-    engine is made to serve ``model_dir`` (in place). Otherwise, for an engine with a process
-    worth keeping (``keeps_alive``), a stage process's engine comes from the workspace's engine
-    host (:mod:`hacrl.rollout.engine_host`, ``engines.host``), named by the checkpoint's content
-    hash: the host serves exactly those weights. Returns the engine and what starting or syncing
-    it cost. ``job``: the MWRA placement (its
-    GPUs become the engine process's ``CUDA_VISIBLE_DEVICES`` and its tensor-parallel size, its
-    token budget the engine's batch budget); ``threads``: its share of the host's cores.
+    An in-process engine wraps the loaded ``agent``; given ``live`` (the engines an in-process
+    run keeps across iterations), the agent's running engine loads ``model_dir`` (its cost: the
+    sync). Otherwise an engine whose worker the host can keep (``hostable``) takes, in a stage
+    process, the workspace's engine host's worker (:mod:`hacrl.rollout.engine_host`,
+    ``engines.host``), named by the checkpoint's content hash: the host serves exactly those
+    weights. ``where``: the job's placement (its GPUs become the worker's devices and its
+    tensor-parallel size, its cores and threads the worker's, its token budget the batch budget).
     """
     spec = engine_spec(cfg.rollout.engine)
     if live is not None and ac.name in live:
-        sync = live[ac.name].reload(model_dir)
-        return live[ac.name], {"engine_sync_s": round(sync["seconds"], 2),
-                               "engine_sync_restart": int(sync["mode"] == "restart")}
+        sync = live[ac.name].load_weights(model_dir)
+        live[ac.name].cost = {"engine_sync_s": round(sync["seconds"], 2),
+                              "engine_sync_restart": int(sync["mode"] == "restart")}
+        return live[ac.name]
     e = cfg.engines
-    gpus = job is not None and on_gpus(job.devices)
-    use_host = live is None and spec.keeps_alive and hosted(cfg)
+    use_host = live is None and spec.hostable and hosted(cfg)
+    gpus = where is not None and where.gpus > 0
     request = EngineRequest(
         model_dir, agent.tokenizer, model=agent.model, batch_size=cfg.rollout.batch_size, desc=f"{desc} {ac.name}",
         dtype="bfloat16" if cfg.trainer.dtype == "bf16" else "float32", seed=cfg.experiment.seed,
-        threads=e.vllm_threads or threads or cfg.experiment.threads, env=_worker_env(cfg, job),
-        tensor_parallel_size=len(job.devices) if gpus else 1,
-        max_batch_tokens=job.max_batch_tokens if job is not None else 0,
-        max_model_len=0 if spec.in_process else _max_model_len(cfg, agent),
+        threads=where.threads if where is not None else cfg.experiment.threads,
+        cores=where.cores if where is not None else None, env=where.env if where is not None else None,
+        tensor_parallel_size=where.gpus if gpus else 1,
+        max_batch_tokens=where.max_batch_tokens if where is not None else 0,
         sleep_mode=gpus and spec.can_sleep and cfg.resources.engine_release == "sleep",
-        settings=dataclasses.replace(e, vllm_python=str(vllm_python(e.vllm_python))),
+        settings=spec.settings(e), engine=spec.name,
         # a stage process asks the workspace's engine host for the agent at this checkpoint's
         # content (hashed through the memo the input check just filled: a stat per file)
         host=Path.cwd() if use_host else None, agent=ac.name, host_idle_s=e.host_idle_s,
@@ -103,46 +92,55 @@ def open_engine(cfg: Config, ac: AgentConfig, agent, model_dir: Path, live: dict
     engine = spec.load().open(request)
     if live is not None and spec.keeps_alive:
         live[ac.name] = engine
-    cost = {} if engine.startup_s is None else {"engine_startup_s": round(engine.startup_s, 2)}
-    sync = getattr(engine, "sync", None)
-    if sync:  # the engine host's: started, reused, or reloaded in place
-        cost.update({"engine_sync_s": round(sync["seconds"], 2), "engine_hosted": 1,
-                     "engine_reused": int(sync["mode"] == "reuse"), "engine_started": int(sync["mode"] == "start")})
-    return engine, cost
+    return engine
 
 
-def _max_model_len(cfg: Config, agent) -> int:
-    """Prompt + response tokens an engine process serves: ``engines.vllm_max_model_len``, else the
-    model's ``max_position_embeddings`` (at most 4096)."""
-    return cfg.engines.vllm_max_model_len or min(4096, int(getattr(agent.model.config, "max_position_embeddings",
-                                                                   None) or 4096))
-
-
-def _worker_env(cfg: Config, job: Job | None) -> dict | None:
-    """An engine process's share of the machine: its GPUs, or on ``cpu:N`` shares its own cores."""
-    if job is None:
-        return None
-    env = device_env(job.devices)
-    cores = job_cores(cfg.resources, job, cfg.experiment.threads)
-    if cores is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[0] + cores[1] - 1}"
-    return env
-
-
-def place(agent, job: Job):
-    """Move an in-process agent's model to the first GPU of its MWRA job (no-op on the CPU)."""
-    if on_gpus(job.devices):
-        agent.model.to(next(x for x in job.devices if x.startswith("cuda:")))
+def place(agent, where: Placement):
+    """Move an in-process agent's model to its job's first GPU (no-op on the CPU)."""
+    if where.device is not None:
+        agent.model.to(where.device)
     return agent
 
 
-def release_engine(cfg: Config, live: dict | None, rel: Release) -> None:
-    """Carry out a plan's release on a kept engine: sleep where the engine can, else a stop."""
+def release_engine(live: dict | None, rel: Release) -> None:
+    """Carry out a plan's release on a kept engine (sleep where it can, else a stop); a stopped
+    engine leaves ``live``."""
     if not live or rel.agent not in live:
         return
-    if rel.action == "sleep" and engine_spec(cfg.rollout.engine).can_sleep:
-        live[rel.agent].sleep()
-    else:
-        engine = live.pop(rel.agent)
-        getattr(engine, "stop", engine.close)()  # a hosted engine's worker stops too, not only its session
+    engine = live[rel.agent] if rel.action == "sleep" else live.pop(rel.agent)
+    engine.release(rel.action)
     log.info("engine of %s: %s (frees %s)", rel.agent, rel.action, ", ".join(rel.devices))
+
+
+class StageEngines:
+    """The rollout engines of one stage's jobs: each job's session is closed when its job is
+    done, unless it is worth keeping for the plan's releases (a hosted session, until the
+    stage's end) or for the next iterations (``live``: an in-process run's kept engines)."""
+
+    def __init__(self, cfg: Config, live: dict | None = None):
+        self.cfg, self.live = cfg, live
+        self.held: dict[str, RolloutEngine] = {}
+
+    def __enter__(self) -> StageEngines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for engine in self.held.values():
+            engine.close()  # the session ends; the host keeps the worker (asleep if released)
+        self.held.clear()
+
+    def open(self, ac: AgentConfig, agent, model_dir: Path, where: Placement | None = None) -> RolloutEngine:
+        """The agent's session (see :func:`open_engine`)."""
+        return open_engine(self.cfg, ac, agent, model_dir, where, self.live)
+
+    def done(self, name: str, engine: RolloutEngine) -> None:
+        """The job is done with its engine: a hosted session is held for the plan's releases, an
+        in-process run's kept engine stays, any other one closes."""
+        if engine.hosted:
+            self.held[name] = engine
+        elif self.live is None or self.live.get(name) is not engine:
+            engine.close()
+
+    def release(self, rel: Release) -> None:
+        """A plan's release, on the session this stage holds or the run's kept engine."""
+        release_engine(self.held if rel.agent in self.held else self.live, rel)

@@ -61,7 +61,7 @@ def run_in_process(cfg: Config, iterations: int | None = None, prepare: bool = T
                     continue
                 if s.jobs == "update":  # engines whose devices an update needs sleep or stop first
                     for rel in before_updates:
-                        release_engine(cfg, live, rel)
+                        release_engine(live, rel)
                 timed(s.name, t, **({"live": live} if s.live_engines else {}))
     finally:
         for engine in (live or {}).values():

@@ -1,22 +1,22 @@
-"""The rollout engine interface: what every generator implements and how one is made.
+"""The rollout engine interface: the session every generator offers and how one is opened.
 
 An engine turns rendered prompts into completions carrying what later stages need: text,
 the generating model's token ids, their log-probs at the sampling temperature, and the
 finish reason. Engines are listed, with their capabilities, in the engine table
 (:mod:`hacrl.rollout.table`): transformers ``generate`` (:mod:`hacrl.rollout.hf`) and vLLM in
-its own process (:mod:`hacrl.rollout.vllm_engine`). Each is made by ``open(request)`` from one
-:class:`EngineRequest`, so the pipeline opens any of them the same way.
+a worker process (:mod:`hacrl.rollout.vllm_engine`, over :mod:`hacrl.rollout.worker_engine`).
+Each is opened by ``open(request)`` from one :class:`EngineRequest` and used as a session with
+one lifecycle (:class:`RolloutEngine`): generate, take other weights, release its devices, close.
+Whether the session's worker is the engine host's is a property of the session (``hosted``),
+not something a caller probes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-
-from hacrl.config.schema import EnginesConfig
 
 
 class EngineError(RuntimeError):
@@ -53,7 +53,7 @@ class EngineRequest:
     tokenizer: Any
     """The agent's tokenizer: prompts are encoded and completions decoded with it, whatever the engine."""
     model: Any = None
-    """The loaded model, for an engine that generates in the stage's process."""
+    """The loaded model: an in-process engine generates from it; others read its config."""
     batch_size: int = 512
     """Sequences per generate call (an engine that schedules its own batches ignores it)."""
     desc: str = "rollouts"
@@ -61,57 +61,64 @@ class EngineRequest:
     dtype: str = "float32"
     seed: int = 0
     threads: int = 2
-    """CPU threads of an engine process on a CPU host."""
+    """CPU threads of the job (its share of the host's cores)."""
+    cores: tuple[int, int] | None = None
+    """(first core, count) the job may bind on a host cut into ``cpu:N`` shares; None: any."""
     env: dict[str, str] | None = None
-    """Environment of an engine process: its devices (``CUDA_VISIBLE_DEVICES``) or CPU cores."""
+    """Environment of an engine process: its devices (``CUDA_VISIBLE_DEVICES``)."""
     tensor_parallel_size: int = 1
+    """The job's GPUs (1 on a CPU host)."""
     max_batch_tokens: int = 0
     """Token budget per forward batch (0: the engine's default)."""
-    max_model_len: int = 4096
-    """Prompt + response tokens per sequence."""
     sleep_mode: bool = False
     """Start able to sleep (free its device memory while an update runs)."""
-    settings: EnginesConfig = field(default_factory=EnginesConfig)
-    """How engine processes run (``engines.*``)."""
+    settings: Any = None
+    """The engine's own settings section (``engines.<section>`` of its row; None: it has none)."""
     host: str | Path | None = None
-    """The workspace's engine host (its socket), for an engine with a process worth keeping
-    (``keeps_alive``): the host keeps the process across stages; None: the engine's own."""
+    """The workspace's engine host (its project directory), for an engine whose worker the host
+    keeps across stages (``hostable``); None: the session starts its own worker."""
+    engine: str = ""
+    """The engine table's row (the host starts the row's worker)."""
     agent: str = ""
-    """The agent the engine serves (the host keeps one engine per agent)."""
+    """The agent the engine serves (the host keeps one worker per agent)."""
     host_idle_s: float = 900.0
-    """How long the host keeps an engine no stage uses (``engines.host_idle_s``)."""
+    """How long the host keeps a worker no stage uses (``engines.host_idle_s``)."""
     weights_id: str = ""
     """The content hash of ``model_dir`` (DVC's): the host serves exactly these weights."""
 
 
 class RolloutEngine(Protocol):
-    """What generate-rollouts and evaluate need from a generator. Which of the lifecycle calls an
-    engine supports is declared in the engine table (``keeps_alive``: ``reload``; ``can_sleep``:
-    ``sleep``/``wake``); ``close`` always exists."""
+    """A session with a generator: what generate-rollouts needs, and its whole lifecycle (as
+    verl's ``BaseRollout`` puts ``resume``, ``update_weights`` and ``release`` in its interface)."""
 
-    startup_s: float | None
-    """Seconds its start took, for an engine with a process of its own (None: none)."""
+    hosted: bool
+    """The session's worker belongs to the engine host: closing the session leaves it there."""
+    cost: dict[str, float]
+    """What opening the session took (``engine_startup_s``; a hosted one: ``engine_sync_s``,
+    ``engine_hosted``, ``engine_reused``, ``engine_started``); empty for an in-process engine."""
 
     @classmethod
     def open(cls, request: EngineRequest) -> RolloutEngine:
-        """Start an engine serving ``request.model_dir``."""
+        """A session serving ``request.model_dir``."""
         ...
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
-        """Return ``len(prompts) * params.n`` completions, prompt-major."""
+        """Return ``len(prompts) * params.n`` completions, prompt-major (a released engine
+        serves again first)."""
         ...
 
-    def reload(self, weights_dir: str | Path) -> dict:
-        """Serve the weights of ``weights_dir`` (in place, or by a restart); returns
-        ``{"seconds": s, "mode": "in_place" | "restart"}``."""
+    def load_weights(self, weights_dir: str | Path) -> dict:
+        """Serve the weights of ``weights_dir`` (same architecture), in place or by a restart;
+        returns ``{"seconds": s, "mode": "in_place" | "restart"}``."""
         ...
 
-    def sleep(self) -> None:
-        """Free device memory, keep the process."""
+    def release(self, action: str) -> None:
+        """Free the devices for an update: ``sleep`` keeps the worker where the engine can sleep
+        (else it stops), ``stop`` stops it (the engine host's too)."""
         ...
 
     def close(self) -> None:
-        """Stop whatever the engine started."""
+        """End the session: stop what the session started (a hosted worker stays with the host)."""
         ...
 
 

@@ -28,9 +28,10 @@ What keeps it safe:
   it serves none; ``hacrl stop`` / ``make stop`` stop it at once.
 
 Protocol: a Unix stream socket, one JSON object per line. A session opens with
-``{"open": {"agent", "model_dir", "weights", "settings"}}`` (reply: ``{"ok", "mode", "seconds",
-"startup_s"}``), then sends ``{"call": REQUEST}`` (the worker's protocol,
-:mod:`hacrl.rollout.vllm_worker`), ``{"sleep": true}`` (an MWRA release: vLLM sleep mode where the
+``{"open": {"engine", "entry", "agent", "model_dir", "weights", "settings"}}`` (``engine``: the
+engine table's row, ``entry`` its class, whose ``worker`` the host starts; reply: ``{"ok", "mode", "seconds",
+"startup_s"}``), then sends ``{"call": REQUEST}`` (the worker's own requests, e.g.
+:mod:`hacrl.rollout.vllm_worker`'s), ``{"sleep": true}`` (an MWRA release: vLLM sleep mode where the
 worker has it, else a stop), ``{"release": true}`` (stop the worker), and ends by closing the
 connection. ``{"lend": {"timeout_s"}}`` hands over a verifier worker (:class:`VerifierLease`). A
 connection may instead send ``{"status": true}`` (the engines) or ``{"stop": true}``.
@@ -233,24 +234,25 @@ class VerifierLease:
 
 
 class HostedProcess:
-    """A stage's session with the engine host: the same calls as
-    :class:`hacrl.rollout.vllm_engine.VLLMProcess` (``call``, ``reload``, ``sleep``, ``wake``,
-    ``close``), served by the host's worker for ``agent`` at ``weights``.
+    """A stage's session with the engine host: the calls of a worker process
+    (:class:`hacrl.rollout.worker_engine.WorkerProcess`: ``call``, ``reload``, ``sleep``, ``wake``,
+    ``stop``, ``close``), served by the host's worker for ``agent`` at ``weights``: the worker of
+    the engine class ``entry`` names (the engine table row's ``module:Class``).
 
     A lost host, or a worker that died, is retried once: a new session (a new host if need be)
     on the same checkpoint, then the same request.
     """
 
     def __init__(self, project: str | os.PathLike, agent: str, model_dir: str | Path, weights: str, settings: dict,
-                 idle_s: float = 900.0):
+                 idle_s: float = 900.0, engine: str = "vllm", entry: str = "hacrl.rollout.vllm_engine:VLLMEngine"):
         if not weights:
             raise HostError(f"engine host: no content hash for {model_dir} (the host serves weights by hash)")
         self.project, self.agent, self.settings, self.idle_s = Path(project), agent, settings, idle_s
+        self.engine, self.entry = engine, entry
         self.model_dir, self.weights = str(model_dir), weights
         self.asleep = False
         self.conn: _Conn | None = None
-        self.sync = self._open()
-        self.startup_s = self.sync.get("startup_s")
+        self.opened = self._open()
 
     @property
     def alive(self) -> bool:
@@ -258,7 +260,8 @@ class HostedProcess:
 
     def _open(self) -> dict:
         self.conn = connect(self.project, self.idle_s)
-        reply = self.conn.ask({"open": {"agent": self.agent, "model_dir": str(Path(self.model_dir).resolve()),
+        reply = self.conn.ask({"open": {"engine": self.engine, "entry": self.entry, "agent": self.agent,
+                                        "model_dir": str(Path(self.model_dir).resolve()),
                                         "weights": self.weights, "settings": self.settings}})
         if not reply.get("ok"):
             self.close()

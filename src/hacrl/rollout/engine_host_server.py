@@ -17,7 +17,7 @@ from pathlib import Path
 from hacrl import sockets
 from hacrl.rollout.engine import EngineError
 from hacrl.rollout.engine_host import _Conn, _connect
-from hacrl.rollout.vllm_engine import VLLMProcess
+from hacrl.rollout.table import load_entry
 
 log = logging.getLogger(__name__)
 
@@ -26,27 +26,34 @@ class _Engine:
     def __init__(self, agent: str):
         self.agent = agent
         self.lock = threading.Lock()
-        self.proc = None  # a VLLMProcess
+        self.proc = None  # a worker process of the engine's row (rollout.worker_engine.WorkerProcess)
         self.weights = ""
         self.settings: dict = {}
+        self.engine = ""
         self.last_used = time.monotonic()
         self.sessions = 0
 
     def describe(self) -> dict:
-        return {"agent": self.agent, "weights": self.weights, "pid": self.proc.proc.pid if self.proc and self.proc.proc else None,
+        return {"agent": self.agent, "engine": self.engine, "weights": self.weights,
+                "pid": self.proc.pid if self.proc else None,
                 "model_dir": self.proc.model_dir if self.proc else None, "sessions": self.sessions,
                 "asleep": bool(self.proc and self.proc.asleep), "idle_s": round(time.monotonic() - self.last_used, 1)}
 
-    def serve(self, model_dir: str, weights: str, settings: dict) -> dict:
-        """Make the worker serve ``weights`` (from ``model_dir``) under ``settings``."""
+    def serve(self, engine: str, entry: str, model_dir: str, weights: str, settings: dict) -> dict:
+        """Make a worker of ``engine`` (its class: ``entry``, ``module:Class`` of the engine table's
+        row) serve ``weights`` (from ``model_dir``) under ``settings``."""
         t0 = time.time()
-        if self.proc is not None and (self.settings != settings or not self.proc.alive):
+        if self.proc is not None and (self.settings != settings or self.engine != engine or not self.proc.alive):
             self.close()
         if self.proc is None:
+            try:
+                worker = load_entry(entry).worker
+            except (ImportError, AttributeError, ValueError) as e:
+                raise EngineError(f"engine host: {entry!r} names no engine with a worker process ({e})") from None
             self.weights = ""  # nothing is served until the start succeeds
-            self.proc = VLLMProcess(model_dir, settings)
-            self.settings, self.weights = settings, weights
-            return {"mode": "start", "seconds": time.time() - t0, "startup_s": self.proc.startup_s}
+            self.proc = worker(model_dir, settings)
+            self.settings, self.weights, self.engine = settings, weights, engine
+            return {"mode": "start", "seconds": time.time() - t0, "startup_s": self.proc.opened.get("startup_s")}
         if self.weights == weights:
             if self.proc.asleep:
                 self.proc.wake()
@@ -59,7 +66,7 @@ class _Engine:
     def close(self) -> None:
         if self.proc is not None:
             self.proc.close()
-        self.proc, self.weights, self.settings = None, "", {}
+        self.proc, self.weights, self.settings, self.engine = None, "", {}, ""
 
 
 class Host:
@@ -150,7 +157,7 @@ class Host:
             eng.lock.acquire()  # one stage at a time per agent's engine
             eng.sessions += 1
             try:
-                out = eng.serve(o["model_dir"], o["weights"], o["settings"])
+                out = eng.serve(o["engine"], o["entry"], o["model_dir"], o["weights"], o["settings"])
             except (EngineError, OSError) as e:
                 eng.close()
                 eng.sessions -= 1

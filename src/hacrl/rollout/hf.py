@@ -59,9 +59,10 @@ class _StepLogprobs:
 class HFEngine:
     """transformers ``generate`` (batched, KV cache) over a loaded model and tokenizer."""
 
-    startup_s = None  # no process of its own
+    hosted = False  # no process of its own, nothing for the engine host to keep
 
     def __init__(self, model, tokenizer, batch_size: int = 512, desc: str = "generate", max_batch_tokens: int = 0):
+        self.cost: dict[str, float] = {}
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -89,6 +90,21 @@ class HFEngine:
                 cur = []
             cur.append(i)
         return out + ([cur] if cur else [])
+
+    def load_weights(self, weights_dir) -> dict:
+        """Serve the weights of ``weights_dir`` (same architecture), copied into the model in place."""
+        import time
+
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.time()
+        dtype = next(self.model.parameters()).dtype
+        fresh = AutoModelForCausalLM.from_pretrained(weights_dir, dtype=dtype)
+        self.model.load_state_dict(fresh.state_dict())
+        return {"mode": "in_place", "seconds": time.time() - t0}
+
+    def release(self, action: str) -> None:
+        """Nothing to free: the model belongs to the stage (it leaves the device with the stage)."""
 
     def close(self) -> None:
         """Nothing to stop: the model belongs to the stage."""

@@ -14,9 +14,16 @@ of comparing engine names or probing methods:
 - ``can_sleep``: frees its device memory while keeping its process (vLLM's sleep mode), which
   MWRA's ``engine_release: sleep`` uses before an update needs the device.
 
-Every engine class implements :class:`hacrl.rollout.engine.RolloutEngine` and is made by its
-``open(request)`` class method from an :class:`hacrl.rollout.engine.EngineRequest`. A new engine:
-one module under ``rollout/`` and one row here.
+A row also says whether the workspace's engine host can keep the engine's worker process across
+stages (``hostable``: an engine whose model runs in a worker process,
+:class:`hacrl.rollout.worker_engine.WorkerEngine`; the host starts the worker its class names),
+and its ``section``, the settings of its own under ``engines.<section>`` (None: it has none).
+
+Every engine class implements the session interface :class:`hacrl.rollout.engine.RolloutEngine`
+and is made by its ``open(request)`` class method from an
+:class:`hacrl.rollout.engine.EngineRequest`. A new engine: one module under ``rollout/``, one row
+here, its preset ``conf/rollout/NAME.yaml`` and its module among the generate stage's
+``dvc.yaml`` dependencies (and a settings section in ``config/schema.py`` if it has settings).
 """
 
 from __future__ import annotations
@@ -35,12 +42,25 @@ class EngineSpec:
     exact_logprobs: bool
     keeps_alive: bool
     can_sleep: bool
+    hostable: bool = False
+    """Its worker process may be kept by the engine host across stages (``worker`` of its class)."""
+    section: str | None = None
+    """Its settings: ``engines.<section>`` (None: none)."""
     doc: str = ""
 
     def load(self) -> type:
         """The engine's class (imported on first use)."""
-        module, _, attr = self.entry.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return load_entry(self.entry)
+
+    def settings(self, engines) -> object | None:
+        """Its settings section of ``engines`` (an ``EnginesConfig``), or None."""
+        return getattr(engines, self.section) if self.section else None
+
+
+def load_entry(entry: str):
+    """The object ``module:name`` names (imported on first use)."""
+    module, _, attr = entry.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -48,7 +68,7 @@ ENGINES: dict[str, EngineSpec] = {
                      keeps_alive=False, can_sleep=False,
                      doc="transformers generate (batched, KV cache) in the stage's process"),
     "vllm": EngineSpec("vllm", "hacrl.rollout.vllm_engine:VLLMEngine", in_process=False, exact_logprobs=False,
-                       keeps_alive=True, can_sleep=True,
+                       keeps_alive=True, can_sleep=True, hostable=True, section="vllm",
                        doc="vLLM in its own environment and process (make setup-vllm), JSON lines over pipes"),
 }
 """Rollout engines by the name ``rollout.engine`` takes."""

@@ -1,11 +1,10 @@
 """vLLM as a rollout engine: vLLM in its own environment and process (:mod:`hacrl.rollout.vllm_worker`),
-behind the same ``generate`` as :class:`hacrl.rollout.hf.HFEngine`.
+behind the same session as :class:`hacrl.rollout.hf.HFEngine`.
 
-Two halves: :class:`VLLMProcess` owns a worker process (start, requests, weight reload,
-sleep, stop) and :class:`VLLMEngine` is what a stage calls (tokenising, per-prompt seeds,
-decoding). The process is either the engine's own, or one the workspace's engine host
-(:mod:`hacrl.rollout.engine_host`) keeps across stages and iterations; the engine talks to both
-through the same four calls.
+Two halves (:mod:`hacrl.rollout.worker_engine`): :class:`VLLMProcess` owns a worker process (start,
+requests, weight reload, sleep, stop), the ``vllm`` row's worker that the engine host keeps;
+:class:`VLLMEngine` is the session a stage holds (tokenising, per-prompt seeds, decoding) over its
+own worker or the host's.
 """
 
 from __future__ import annotations
@@ -14,7 +13,9 @@ import logging
 import time
 from pathlib import Path
 
+from hacrl.config.build import CONF_DIR
 from hacrl.rollout.engine import Completion, EngineError, EngineRequest, SamplingParams
+from hacrl.rollout.worker_engine import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ class VLLMProcess:
         self.log_path = Path(log_path) if log_path else None
         self.proc = None
         self._log = None
-        self.startup_s = self._start()
+        started = self._start()
+        self.opened = {"mode": "start", "seconds": started, "startup_s": started}
 
     @staticmethod
     def settings_of(python, max_model_len: int, dtype: str = "float32", seed: int = 0, threads: int = 2,
@@ -52,6 +54,10 @@ class VLLMProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     def _start(self) -> float:
         import os
@@ -139,7 +145,7 @@ class VLLMProcess:
         if not self.alive:
             self.close(force=True)
             self.model_dir = str(weights_dir)
-            self.startup_s = self._start()
+            self._start()
             return {"mode": "restart", "seconds": time.time() - t0}
         if self.asleep:
             self.wake()
@@ -159,10 +165,14 @@ class VLLMProcess:
     def wake(self) -> None:
         if not self.alive:
             self.close(force=True)
-            self.startup_s = self._start()
+            self._start()
         elif self.asleep:
             self.call({"cmd": "wake"})
         self.asleep = False
+
+    def stop(self) -> None:
+        """Stop the worker (an MWRA release that frees the device)."""
+        self.close()
 
     def close(self, force: bool = False) -> None:
         """Stop the worker and everything it started (its process group)."""
@@ -189,75 +199,45 @@ class VLLMProcess:
             self._log = None
 
 
-class VLLMEngine:
-    """vLLM behind the rollout engine interface, one model per engine.
+class VLLMEngine(WorkerEngine):
+    """vLLM behind the rollout engine session, one model per engine.
 
-    Started once and kept for as many ``generate`` calls as the caller makes; ``reload`` serves
-    new weights in place; ``close`` stops the process (or, with an engine host, hands it back to
-    the host, which keeps it). Prompts go in as the agent tokenizer's ids and completions come
-    back as ids with their sampled log-probs after temperature; text is decoded here with the
-    same tokenizer as :class:`HFEngine`, so records do not depend on the engine.
-
-    ``host``: the workspace's engine host (its socket); the engine then asks it for this
-    ``agent`` at ``weights_id`` (the checkpoint's content hash) rather than start a process.
+    Started once and kept for as many ``generate`` calls as the caller makes; ``load_weights``
+    serves new weights in place; ``close`` stops the worker (or, hosted, ends the session with
+    the engine host, which keeps it). Prompts go in as the agent tokenizer's ids and completions
+    come back as ids with their sampled log-probs after temperature; text is decoded here with
+    the same tokenizer as :class:`HFEngine`, so records do not depend on the engine.
     """
 
-    def __init__(self, model_dir: str | Path, tokenizer, python: str | Path, max_model_len: int,
-                 dtype: str = "float32", seed: int = 0, threads: int = 2, kv_cache_gib: int = 1,
-                 log_path: str | Path | None = None, timeout_s: float = 600.0,
-                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-                 env: dict[str, str] | None = None, max_num_batched_tokens: int = 0, sleep_mode: bool = False,
-                 host: str | Path | None = None, agent: str = "", weights_id: str = "", host_idle_s: float = 900.0):
-        self.tokenizer = tokenizer
+    worker = VLLMProcess
+
+    @classmethod
+    def local(cls, model_dir: str | Path, tokenizer, python: str | Path, max_model_len: int,
+              dtype: str = "float32", seed: int = 0, threads: int = 2, kv_cache_gib: int = 1,
+              timeout_s: float = 600.0, gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+              env: dict[str, str] | None = None, max_num_batched_tokens: int = 0,
+              sleep_mode: bool = False) -> VLLMEngine:
+        """A session on a worker of its own, from plain arguments (scripts and tests)."""
         settings = VLLMProcess.settings_of(python, max_model_len, dtype, seed, threads, kv_cache_gib, timeout_s,
                                            gpu_memory_utilization, tensor_parallel_size, env,
                                            max_num_batched_tokens, sleep_mode)
-        if host is not None:
-            from hacrl.rollout.engine_host import HostedProcess
-
-            self.proc = HostedProcess(host, agent, model_dir, weights_id, settings, host_idle_s)
-        else:
-            self.proc = VLLMProcess(model_dir, settings, log_path)
-        self.startup_s = self.proc.startup_s
-        self.sync = getattr(self.proc, "sync", None)
-        """What the engine host did to serve the checkpoint: ``{"mode", "seconds"}`` (None: own process)."""
+        return cls(VLLMProcess(model_dir, settings), tokenizer, hosted=False)
 
     @classmethod
     def open(cls, request: EngineRequest) -> VLLMEngine:
-        """A worker serving ``request.model_dir`` (``request.settings.vllm_python`` as resolved by
-        the caller: the vLLM environment's interpreter), through ``request.host`` if set."""
+        """A session serving ``request.model_dir`` under ``request.settings`` (``engines.vllm``),
+        on the engine host's worker if ``request.host``."""
         s = request.settings
-        return cls(request.model_dir, request.tokenizer, python=s.vllm_python, max_model_len=request.max_model_len,
-                   dtype=request.dtype, seed=request.seed, threads=request.threads, kv_cache_gib=s.vllm_kv_cache_gib,
-                   timeout_s=s.vllm_timeout_s, gpu_memory_utilization=s.vllm_gpu_memory_utilization,
-                   tensor_parallel_size=request.tensor_parallel_size, env=request.env,
-                   max_num_batched_tokens=request.max_batch_tokens, sleep_mode=request.sleep_mode,
-                   host=request.host, agent=request.agent, weights_id=request.weights_id,
-                   host_idle_s=request.host_idle_s)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the worker (or end the session with the engine host, which keeps it)."""
-        self.proc.close()
-
-    def stop(self) -> None:
-        """Stop the worker, the engine host's included (an MWRA release that frees the device)."""
-        getattr(self.proc, "stop", self.proc.close)()
-
-    def sleep(self) -> None:
-        self.proc.sleep()
-
-    def wake(self) -> None:
-        self.proc.wake()
-
-    def reload(self, weights_dir: str | Path) -> dict:
-        """Serve the weights in ``weights_dir`` (same architecture). Returns ``{"mode", "seconds"}``."""
-        return self.proc.reload(weights_dir)
+        env = dict(request.env or {})
+        threads = s.threads or request.threads
+        if request.cores is not None:  # a cpu:N share: bind the job's own cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{request.cores[0]}-{request.cores[0] + request.cores[1] - 1}"
+        settings = VLLMProcess.settings_of(
+            vllm_python(s.python), max_model_len(s.max_model_len, request.model), request.dtype, request.seed, threads,
+            s.kv_cache_gib, s.timeout_s, s.gpu_memory_utilization, request.tensor_parallel_size, env,
+            request.max_batch_tokens, request.sleep_mode)
+        proc, hosted = cls.start_worker(request, settings)
+        return cls(proc, request.tokenizer, hosted)
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
         import random
@@ -267,9 +247,7 @@ class VLLMEngine:
         rng = random.Random(params.seed)  # one sampling seed per prompt: reproducible for a given prompt list
         seeds = [rng.randrange(2**31 - 1) for _ in prompts]
         eos = tok.eos_token_id
-        if self.proc.asleep or not self.proc.alive:  # released by an MWRA plan: serve again first
-            self.proc.wake()
-        out = self.proc.call({"cmd": "generate", "prompts": enc, "n": params.n, "temperature": params.temperature,
+        out = self.serving().call({"cmd": "generate", "prompts": enc, "n": params.n, "temperature": params.temperature,
                               "top_p": params.top_p, "max_tokens": params.max_new_tokens, "greedy": params.greedy,
                               "seeds": seeds, "stop_token_ids": [eos] if eos is not None else []})["outputs"]
         results = []
@@ -283,3 +261,19 @@ class VLLMEngine:
                 text = tok.decode(ids, skip_special_tokens=True)
                 results.append(Completion(pi, si, text, enc[pi], ids, lps, finish))
         return results
+
+
+def max_model_len(configured: int, model) -> int:
+    """Prompt + response tokens a worker serves: ``engines.vllm.max_model_len``, else the model's
+    ``max_position_embeddings`` (at most 4096)."""
+    return configured or min(4096, int(getattr(getattr(model, "config", None), "max_position_embeddings", None)
+                                       or 4096))
+
+
+def vllm_python(path: str | Path) -> Path:
+    """The vLLM interpreter: an absolute path as is; a relative one from the working directory if
+    it exists there, else from the project root (where ``make setup-vllm`` builds it)."""
+    p = Path(path)
+    if p.is_absolute() or (Path.cwd() / p).exists():
+        return p.absolute()
+    return CONF_DIR.parent / p

@@ -15,6 +15,7 @@ from hacrl.exchange.experience import read_records
 from hacrl.pipeline.common import layout, resource_plan, set_threads, split
 from hacrl.pipeline.engines import place, verifier_lease
 from hacrl.pipeline.result import Input, StageResult, numbers
+from hacrl.resources import placement
 from hacrl.rl.algorithms import LOSSES
 from hacrl.storage import read_json, write_json
 from hacrl.task.rewards import VerifierPool
@@ -67,9 +68,9 @@ def evaluate(cfg: Config, t: int) -> StageResult:
         serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
         pending, extra = {}, {}
         for ac in cfg.agents:
-            job = eplan.job(ac.name, "rollout")
-            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), job)
-            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size, job.max_batch_tokens)
+            where = placement(cfg.resources, eplan.job(ac.name, "rollout"), cfg.experiment.threads)
+            agent = place(load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype), where)
+            answers = greedy_answers(agent, held, cfg.eval.max_new_tokens, cfg.eval.batch_size, where.max_batch_tokens)
             pending[ac.name] = checks.submit(ver.verify, answers, f"verify {ac.name}")
             if hooks is not None and hooks.probes is not None:  # e.g. SGT: did the rescues stick?
                 extra[ac.name] = probe_accuracy(cfg, agent, serial, hooks.probes(update_stats.get(ac.name, {}), t))

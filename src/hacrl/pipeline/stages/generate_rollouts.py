@@ -11,9 +11,9 @@ from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import rollout_records, write_records
 from hacrl.pipeline.common import artifact, compact, hash_seed, layout, resource_plan, set_threads, split
-from hacrl.pipeline.engines import LOADING, SERIAL, open_engine, place, release_engine
+from hacrl.pipeline.engines import LOADING, SERIAL, StageEngines, place
 from hacrl.pipeline.result import StageResult, numbers
-from hacrl.resources import job_threads, run_stage
+from hacrl.resources import placement, run_stage
 from hacrl.rollout.engine import SamplingParams, cut_at_stop
 from hacrl.rollout.table import engine_spec
 from hacrl.storage import atomic_path
@@ -26,8 +26,8 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
     """The step's prompts (same for all agents) x ``G`` samples per agent, as Parquet shards.
 
     Agents run as the MWRA plan places them (one after another on a CPU host; at once where
-    their devices do not overlap). ``live``: vLLM engines kept across iterations by an
-    in-process run (see :func:`hacrl.pipeline.engines.open_engine`); the plan's releases apply to them.
+    their devices do not overlap). ``live``: engines kept across iterations by an in-process run
+    (see :func:`hacrl.pipeline.engines.open_engine`); the plan's releases apply to them.
     """
     set_threads(cfg)
     log.info("── iteration %d/%d (%s) ──", t, cfg.experiment.iterations, cfg.algorithm.name)
@@ -41,17 +41,18 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     with atomic_path(lay.rollouts(t), is_dir=True,
-                     identity=artifact(cfg, lay.rollouts(t), "generate-rollouts", t)) as tmp:
+                     identity=artifact(cfg, lay.rollouts(t), "generate-rollouts", t)) as tmp, \
+            StageEngines(cfg, live) as engines:
         def job(j) -> dict:
             ac = cfg.agent(j.agent)
+            where = placement(cfg.resources, j, cfg.experiment.threads)
             t0 = time.time()
             with LOADING:
                 agent = load_agent(ac, lay.checkpoint(t - 1, ac.name), cfg.trainer.dtype)
             if spec.in_process:  # it generates from this process's model, on the job's device
-                place(agent, j)
+                place(agent, where)
             with SERIAL if spec.in_process else contextlib.nullcontext():
-                engine, cost = open_engine(cfg, ac, agent, lay.checkpoint(t - 1, ac.name), live, job=j,
-                                           threads=job_threads(cfg.resources, j, cfg.experiment.threads))
+                engine = engines.open(ac, agent, lay.checkpoint(t - 1, ac.name), where)
                 rendered = [agent.render(p["problem"]) for p in prompts]
                 params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                         max_new_tokens=r.max_new_tokens,
@@ -60,10 +61,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
                 try:
                     comps = cut_at_stop(engine.generate(rendered, params), agent.tokenizer, agent.stop)
                 finally:
-                    if getattr(engine, "sync", None) is not None:
-                        held[ac.name] = engine  # the engine host's: the plan's releases apply to it
-                    elif live is None or not spec.keeps_alive:
-                        engine.close()  # a stage's own engine stops with the agent's rollouts
+                    engines.done(ac.name, engine)
                 gen_s = time.time() - t1
             write_records(tmp / f"{ac.name}.parquet",
                           rollout_records(t, ac.name, ac.tokenizer_id, prompts, rendered, comps), "rollout")
@@ -71,7 +69,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
             ntok = sum(len(c.token_ids) for c in comps)
             st = {"samples": len(comps), "tokens": ntok, "seconds": round(secs, 2),
                   "tokens_per_s": round(ntok / max(secs, 1e-9), 1),
-                  "generate_tokens_per_s": round(ntok / max(gen_s, 1e-9), 1), **cost}
+                  "generate_tokens_per_s": round(ntok / max(gen_s, 1e-9), 1), **engine.cost}
             if cfg.engines.logprob_check_samples:
                 with SERIAL:
                     st.update(logprob_gap(agent.model, comps, agent.tokenizer.pad_token_id, r.temperature,
@@ -80,13 +78,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
             log.debug("rollouts %s: %s", ac.name, st)
             return st
 
-        held: dict = {}  # sessions with the engine host, until a release or the stage's end
-        try:
-            done = run_stage(rplan, "rollout", job,
-                             release=lambda rel: release_engine(cfg, held if rel.agent in held else live, rel))
-        finally:
-            for engine in held.values():
-                engine.close()  # the session ends; the host keeps the worker (asleep if released)
+        done = run_stage(rplan, "rollout", job, release=engines.release)
     return StageResult({a.name: done[a.name] for a in cfg.agents},
                        agents={a.name: numbers(done[a.name], "rollout_") for a in cfg.agents})
 

@@ -10,7 +10,7 @@ from hacrl.pipeline.common import artifact, compact, layout, resource_plan, set_
 from hacrl.pipeline.learner import update_agent
 from hacrl.pipeline.result import Input, Series, StageResult, numbers, shard_inputs
 from hacrl.pipeline.update_worker import launch
-from hacrl.resources import device_env, job_threads, on_gpus, run_stage
+from hacrl.resources import placement, run_stage
 from hacrl.rl.algorithms import LOSSES
 from hacrl.storage import atomic_path, without_timings, write_json
 
@@ -40,13 +40,13 @@ def update_policies(cfg: Config, t: int) -> StageResult:
                         identity=artifact(cfg, lay.train_state(t), "update-policies", t)) as tmp_st:
         def job(j) -> dict:
             name = j.agent
-            world = len(j.devices) if on_gpus(j.devices) else cfg.trainer.world_size
-            if world > 1 or name in together or on_gpus(j.devices):
+            where = placement(cfg.resources, j, cfg.experiment.threads)
+            world = where.gpus or cfg.trainer.world_size
+            if world > 1 or name in together or where.gpus:
                 jcfg = dataclasses.replace(
                     cfg, trainer=dataclasses.replace(cfg.trainer, world_size=world),
-                    experiment=dataclasses.replace(cfg.experiment,
-                                                   threads=job_threads(cfg.resources, j, cfg.experiment.threads)))
-                st = launch(jcfg, t, name, tmp_ck / name, tmp_st / name, env=device_env(j.devices))
+                    experiment=dataclasses.replace(cfg.experiment, threads=where.threads))
+                st = launch(jcfg, t, name, tmp_ck / name, tmp_st / name, env=where.env)
             else:
                 st = update_agent(cfg, t, name, tmp_ck / name, tmp_st / name)
             if hooks is not None and hooks.carry is not None:  # state it keeps across iterations

@@ -41,7 +41,7 @@ OVERRIDES = {
 
 def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> SuiteResult:
     from hacrl.pipeline import table
-    from hacrl.pipeline.engines import vllm_python
+    from hacrl.rollout.vllm_engine import vllm_python
 
     # the converted model of the project's own SmolLM2 runs, if there is one: no second fetch
     mine = project.resolve() / MODEL_DIR
@@ -54,7 +54,7 @@ def run(size: str, reps: int, work_dir: Path, project: Path = Path(".")) -> Suit
         cfg.agents = [cfg.agent(AGENT)]
         vl = copy.deepcopy(cfg)
         vl.rollout.engine = "vllm"
-        has_vllm = vllm_python(vl.engines.vllm_python).exists()
+        has_vllm = vllm_python(vl.engines.vllm.python).exists()
 
         def stage(c) -> dict:
             res = table.run("generate-rollouts", c, t)[AGENT]
