@@ -105,14 +105,14 @@ def bare_rollouts(ws: Path, t: int) -> dict:
     """The generate-rollouts stage's work at iteration t as a user would write it with
     transformers (``hacrl bench rollout``'s bare loop: load, left-pad, ``generate``, decode)."""
     from hacrl.pipeline import params
-    from hacrl.pipeline.common import set_threads
+    from hacrl.runtime import set_threads
     from hacrl.study.bench.rollout import bare_generate
 
     here = Path.cwd()
     os.chdir(ws)
     try:
         cfg = params.load(ws / "params.yaml")
-        set_threads(cfg)
+        set_threads(cfg.experiment.threads)
         t0 = time.perf_counter()
         tokens = bare_generate(cfg, t)
         return {"generate_s": round(time.perf_counter() - t0, 2), "tokens": tokens}

@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 from hacrl.pipeline import params, table
-from hacrl.pipeline.common import split
-from hacrl.rollout.vllm_engine import vllm_python
 from hacrl.pipeline.in_process import prepare_experiment
 from hacrl.pipeline.stages.generate_rollouts import logprob_gap
+from hacrl.rollout.vllm_engine import vllm_python
 from hacrl.storage import RunLayout
+from hacrl.task.data import read_split
 
 PROJECT = Path(__file__).resolve().parents[1]
 SMOL = "smollm2-135m"
@@ -74,7 +74,7 @@ def head_to_head(cfg, ckpt: Path, n_prompts: int, n_samples: int, tokens: int) -
     from hacrl.task import data as task_data
 
     ac = next(a for a in cfg.agents if a.name == SMOL)
-    prompts = task_data.prompts_for_iteration(split(cfg, "train"), n_prompts, cfg.experiment.seed, 99)
+    prompts = task_data.prompts_for_iteration(read_split(cfg.layout.tasks, "train"), n_prompts, cfg.experiment.seed, 99)
     params = SamplingParams(n=n_samples, temperature=1.0, top_p=1.0, max_new_tokens=tokens, seed=7)
     rows = []
     for dtype in ("fp32", "bf16"):

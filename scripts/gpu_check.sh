@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || { echo "gpu_check: no project environment at $PY (run make setup)" >&2; exit 2; }
-# HACRL_GPU_CHECK_ON_CPU=1 runs the same script on the CPU (tests/test_gpu_check.py: the script
+# HACRL_GPU_CHECK_ON_CPU=1 runs the same script on the CPU (tests/project/test_gpu_check.py: the script
 # itself is checked where CI runs; its figures mean nothing there)
 ON_CPU=${HACRL_GPU_CHECK_ON_CPU:-0}
 [ "$ON_CPU" = 1 ] || command -v nvidia-smi >/dev/null || {
@@ -50,7 +50,7 @@ if not on_cpu and not torch.cuda.is_available():
 
 project = Path.cwd()
 from hacrl.pipeline import params, table  # noqa: E402
-from hacrl.pipeline.common import resource_plan  # noqa: E402
+from hacrl.resources import plan_for  # noqa: E402
 from hacrl.rollout.vllm_engine import vllm_python  # noqa: E402
 
 n = 0 if on_cpu else torch.cuda.device_count()
@@ -75,7 +75,7 @@ cfg = params.from_dict(data)
 os.chdir(work)
 print(f"gpu_check: {n} GPU(s) {gpu_name} ({gib} GiB), torch {torch.__version__}, "
       f"engine {engine}, dtype {args.dtype}, workspace {work}")
-print(resource_plan(cfg).describe())
+print(plan_for(cfg).describe())
 
 
 class PeakMemory:

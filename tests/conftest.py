@@ -109,6 +109,12 @@ def assert_same_figures(whole: dict, cut: dict, where: str, tol: float = 1e-6) -
             assert y == pytest.approx(x, rel=t, abs=t), f"{where}: {k} whole {x} cut {y}"
 
 
+def plain(df) -> list[dict]:
+    """Rows as plain Python values (Parquet gives list columns back as numpy arrays)."""
+    return [{k: (list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v) for k, v in r.items()}
+            for r in df.to_dict("records")]
+
+
 def fixed_rewards(df):
     """A fixed 0/1 reward per record (a third of them 1, spread within prompt groups): the barely
     warmed-up tiny pool scores about 0, which trains nothing."""

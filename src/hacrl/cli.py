@@ -10,18 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-# offline and quiet by default: nothing in a stage may reach the network
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a bar per weight load: hundreds of lines per run
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if not Path("/dev/nvidia0").exists() else "cuda")
-# the BLAS thread count fixed, not adapted to the machine's load: with MKL's dynamic threads a
-# warm-up run beside another busy process on 2 cores rounded differently and ended elsewhere
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-os.environ.setdefault("OMP_DYNAMIC", "FALSE")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing leaves the machine
+from hacrl.runtime import apply_defaults
+
+apply_defaults()  # before anything imports torch or transformers
 
 log = logging.getLogger("hacrl")
 
@@ -130,7 +121,7 @@ def _stage(args: argparse.Namespace, cfg, t: int) -> int:
         _injected_fault(args.name, t)
         # the upstream artifacts it reads are what their stages wrote (dvc.lock), before any work
         verify(os.environ.get("DVC_ROOT", "."), os.environ.get("DVC_STAGE") or table.dvc_stage_id(args.name, t))
-        from hacrl.pipeline.engines import serve_from_host
+        from hacrl.pipeline.stage_engines import serve_from_host
 
         serve_from_host()  # engine processes and verifier workers outlive this stage process
         result = table.run(args.name, cfg, t)

@@ -112,7 +112,7 @@ def _fits(mem: float, need: float) -> bool:
     return mem <= 0 or need <= mem  # 0: memory not declared (a CPU host)
 
 
-def check(res: ResourcesConfig, agents: list[str]) -> None:
+def refuse_impossible(res: ResourcesConfig, agents: list[str]) -> None:
     """Fail, naming the agent, stage and resource, when a job cannot run even on an idle inventory."""
     cap = _capacity(res)
     unknown = sorted(set(res.agents) - set(agents))
@@ -178,7 +178,7 @@ def plan(res: ResourcesConfig, agents: list[str]) -> ResourcePlan:
     put to sleep (``engine_release: sleep``, the weights and cache leave the device, the
     process stays) or stopped. Deterministic for a given config.
     """
-    check(res, agents)
+    refuse_impossible(res, agents)
     cap = _capacity(res)
     load = {x: 0 for x in cap}
     waves: list[Wave] = []

@@ -1,5 +1,5 @@
 """The settings reference, written from the schema itself: ``hacrl config --doc`` prints it and
-``docs/CONFIG.md`` is it (``tests/test_config.py`` checks they agree, so it cannot drift).
+``docs/CONFIG.md`` is it (``tests/config/test_config.py`` checks they agree, so it cannot drift).
 
 Every key of :class:`hacrl.config.schema.Config` with its type, its default, its rule and the
 docstring written under its field in ``schema.py``.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hacrl.errors import ConfigError
+from hacrl.storage import RunLayout
 
 _NO_DEFAULT = dataclasses.MISSING
 
@@ -99,7 +100,7 @@ def check_rules(obj: Any) -> None:
                     raise ConfigError(f"{f.name}{'' if k is None else f'.{k}'}: invalid value {v!r} ({problem})")
 
 
-def check(cond: bool, key: str, value: Any, why: str) -> None:
+def require(cond: bool, key: str, value: Any, why: str) -> None:
     """A check across settings: ``KEY: invalid value V (WHY)`` unless ``cond``."""
     if not cond:
         raise ConfigError(f"{key}: invalid value {value!r} ({why})")
@@ -205,11 +206,11 @@ class DataConfig(Settings):
     ``rollout.max_new_tokens`` and ``eval.max_new_tokens`` to match)."""
 
     def check(self) -> None:
-        check(self.completion == "answer" or self.source == "procedural", "completion", self.completion,
-              "worked solutions exist for the procedural task only")
+        require(self.completion == "answer" or self.source == "procedural", "completion", self.completion,
+                "worked solutions exist for the procedural task only")
         if self.source == "procedural":
             for key in ("train_size", "heldout_size"):  # unused by files (their rows are the data)
-                check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+                require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -318,10 +319,10 @@ class StreamConfig(Settings):
     gates, but the answer injected rather than a peer's text. Own rows are always their own."""
 
     def check(self) -> None:
-        check(self.verdicts is None or bool(self.verdicts), "verdicts", self.verdicts,
-              "null or a non-empty list of verdicts")
-        check(self.content == "response" or self.record_type in ("trajectory", "verified_success"), "content",
-              self.content, "gold only on a trajectory or verified_success stream")
+        require(self.verdicts is None or bool(self.verdicts), "verdicts", self.verdicts,
+                "null or a non-empty list of verdicts")
+        require(self.content == "response" or self.record_type in ("trajectory", "verified_success"), "content",
+                self.content, "gold only on a trajectory or verified_success stream")
 
 
 @dataclass
@@ -377,7 +378,7 @@ class AlgorithmConfig(Settings):
     thl: ThlConfig = field(default_factory=ThlConfig)
 
     def check(self) -> None:
-        check(bool(self.subscription), "subscription", self.subscription, "at least one stream")
+        require(bool(self.subscription), "subscription", self.subscription, "at least one stream")
 
     @property
     def shares(self) -> bool:
@@ -475,14 +476,14 @@ class TrainerConfig(Settings):
     the update equals the single-process one up to float rounding (docs/SCALING.md). ZeRO 0-2."""
 
     def check(self) -> None:
-        check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "adam_betas", self.adam_betas,
-              "two numbers in [0, 1)")
-        check(self.dtype != "bf16" or self.backend == "deepspeed", "backend", self.backend,
-              "bf16 needs the deepspeed backend (it keeps the fp32 master weights; torch's AdamW would step bf16 weights)")
+        require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "adam_betas", self.adam_betas,
+                "two numbers in [0, 1)")
+        require(self.dtype != "bf16" or self.backend == "deepspeed", "backend", self.backend,
+                "bf16 needs the deepspeed backend (it keeps the fp32 master weights; torch's AdamW would step bf16 weights)")
         if self.world_size > 1:
-            check(self.backend == "deepspeed", "backend", self.backend, "world_size > 1 needs the deepspeed backend")
-            check(self.zero_stage <= 2, "zero_stage", self.zero_stage,
-                  "ZeRO 3 partitions the weights; the export needs ZeRO 0-2 when world_size > 1")
+            require(self.backend == "deepspeed", "backend", self.backend, "world_size > 1 needs the deepspeed backend")
+            require(self.zero_stage <= 2, "zero_stage", self.zero_stage,
+                    "ZeRO 3 partitions the weights; the export needs ZeRO 0-2 when world_size > 1")
 
 
 @dataclass
@@ -625,7 +626,7 @@ class StageResources(Settings):
     """Explicit device ids (else the planner chooses); ``devices`` then counts them."""
 
     def check(self) -> None:
-        check(self.pin is None or bool(self.pin), "pin", self.pin, "null or a non-empty list of device ids")
+        require(self.pin is None or bool(self.pin), "pin", self.pin, "null or a non-empty list of device ids")
 
 
 @dataclass
@@ -657,10 +658,10 @@ class ResourcesConfig(Settings):
 
     def check(self) -> None:
         ids = [x.id for x in self.devices]
-        check(bool(ids), "devices", self.devices, "the inventory needs at least one device")
-        check(len(set(ids)) == len(ids), "devices", ids, "duplicate device id")
-        check(not ("cpu" in ids and any(x.startswith("cpu:") for x in ids)), "devices", ids,
-              "either the whole host (cpu) or shares of it (cpu:N), not both")
+        require(bool(ids), "devices", self.devices, "the inventory needs at least one device")
+        require(len(set(ids)) == len(ids), "devices", ids, "duplicate device id")
+        require(not ("cpu" in ids and any(x.startswith("cpu:") for x in ids)), "devices", ids,
+                "either the whole host (cpu) or shares of it (cpu:N), not both")
 
 
 # ----------------------------------------------------------------------------- the whole
@@ -691,3 +692,8 @@ class Config(Settings):
     @property
     def samples_per_prompt(self) -> int:
         return self.rollout.group_size * self.algorithm.sample_multiplier
+
+    @property
+    def layout(self) -> RunLayout:
+        """Where the experiment's artifacts live (``experiment.runs_dir``; the task data in ``data/``)."""
+        return RunLayout(self.experiment.runs_dir)

@@ -45,6 +45,7 @@ import threading
 from pathlib import Path
 
 from hacrl import sockets
+from hacrl.runtime import apply_defaults
 
 log = logging.getLogger(__name__)
 
@@ -309,9 +310,8 @@ def _limits() -> dict[str, list[int]]:
 def _set_limits(limits: dict[str, list[int]]) -> None:
     """Apply the caller's limits; a limit above what this server may grant is capped at its own
     hard limit (a process can lower its limits, never raise its hard ones)."""
-    import resource
-
     import math
+    import resource
 
     def num(v: int) -> float:
         return math.inf if v == resource.RLIM_INFINITY else v
@@ -388,7 +388,7 @@ def _watch(client_pid: int) -> None:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage-server: %(message)s",
                         datefmt="%H:%M:%S")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    apply_defaults()
     try:
         serve(Path(sys.argv[1]), sys.argv[2])
     except OSError as e:  # another server won the race for this socket

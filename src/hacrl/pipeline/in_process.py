@@ -12,8 +12,8 @@ import time
 
 from hacrl.config.schema import Config
 from hacrl.pipeline import table
-from hacrl.pipeline.common import resource_plan
-from hacrl.pipeline.engines import release_engine
+from hacrl.pipeline.stage_engines import release_engine
+from hacrl.resources import plan_for
 from hacrl.rollout.table import engine_spec
 
 
@@ -52,7 +52,7 @@ def run_in_process(cfg: Config, iterations: int | None = None, prepare: bool = T
     if prepare:
         prepare_experiment(cfg, timed)
     live: dict | None = {} if engine_spec(cfg.rollout.engine).keeps_alive else None
-    rplan = resource_plan(cfg)
+    rplan = plan_for(cfg)
     before_updates = [r for r in rplan.releases if rplan.waves[r.before].stage == "update"]
     try:
         for t in range(1, (iterations or cfg.experiment.iterations) + 1):

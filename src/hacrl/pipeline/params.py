@@ -5,7 +5,7 @@
 defaults list selects (a pool, an algorithm, an experiment's budgets: each states what it
 changes), then the overrides. The result is built and checked (:func:`from_dict`) and written
 out in full, every value that runs, so that DVC sees a changed default and ``dvc params diff``
-shows it. DVC stages read ``params.yaml`` (:func:`load`); ``tests/test_config.py`` checks that
+shows it. DVC stages read ``params.yaml`` (:func:`load`); ``tests/config/test_config.py`` checks that
 the committed ``params.yaml`` equals the composition of the defaults.
 """
 
@@ -20,7 +20,6 @@ from hacrl.config.build import CONF_DIR, build, dump_yaml, read_yaml
 from hacrl.config.schema import AgentConfig, AlgorithmConfig, Config
 from hacrl.errors import ConfigError
 from hacrl.storage import atomic_write_text
-
 
 GENERATED_KEYS = ("iterations", "agent_names", "external_inputs")
 """Keys derived from the config for dvc.yaml's templating (foreach, plots). They are written to

@@ -109,3 +109,16 @@ def numbers(d: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 def shard_inputs(folder: Path, agents: list[str], kind: str, t: int, context: str) -> list[Input]:
     """The per-agent Parquet shards of ``folder`` (``NAME.parquet``) as inputs ``kind/itT/NAME``."""
     return [Input(f"{kind}/it{t}/{a}", str(folder / f"{a}.parquet"), context) for a in agents]
+
+
+def compact(stats: dict, keys: tuple[str, ...] | None = None) -> str:
+    """A stage's figures as one short terminal line: ``key value`` pairs, numbers to 4 significant
+    digits, nested mappings as ``key{a: 1, b: 2}``; ``keys``: only these, in this order (the
+    full mapping goes to the artifact and to DEBUG logs)."""
+    def fmt(v) -> str:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return str(v) if not isinstance(v, dict) else "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    items = [(k, stats[k]) for k in (keys or tuple(stats)) if k in stats and stats[k] is not None]
+    return " · ".join(f"{k} {fmt(v)}" for k, v in items)

@@ -5,7 +5,7 @@ Prefect task), its function as ``"module:function"`` (imported only when the sta
 ``hacrl --help`` and the orchestration import no stage code), its kind and the MWRA jobs it
 carries out. Every consumer of the stage list reads it here: the CLI, the orchestration of an
 iteration (DVC ids, preparation, device tags, GPU routing), the input check, the in-process
-runner, the Prefect flow, tracking and the tests (``tests/test_stage_table.py`` checks
+runner, the Prefect flow, tracking and the tests (``tests/pipeline/test_stage_table.py`` checks
 ``dvc.yaml`` against it).
 
 A new stage: its module under ``pipeline/stages/``, one row here, its entry in ``dvc.yaml``.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hacrl.errors import ConfigError
@@ -117,6 +118,22 @@ def dvc_stage_id(name: str, t: int) -> str:
     if s.kind != ITERATION:
         return s.name
     return s.at_zero if t == 0 and s.at_zero else stage_id(s.name, t)
+
+
+def output_identity(cfg: Any, path: Path, stage: str, t: int | None = None) -> dict:
+    """What an output directory of stage ``stage`` (iteration ``t``) says it is (its manifest,
+    :data:`hacrl.storage.MANIFEST`): its path as ``dvc.yaml`` names it (``runs/it6/rollouts``,
+    whatever directory the runs live in) and the ``dvc.yaml`` stage that writes it."""
+    lay = cfg.layout
+    for root in (lay.runs, lay.data):
+        try:
+            rel = Path(root.name) / Path(path).relative_to(root)
+            break
+        except ValueError:
+            continue
+    else:
+        rel = Path(path)
+    return {"artifact": rel.as_posix(), "stage": dvc_stage_id(stage, t or 0), "iteration": t}
 
 
 def of_dvc_stage(dvc_id: str) -> Stage | None:

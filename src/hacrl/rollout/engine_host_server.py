@@ -18,6 +18,7 @@ from hacrl import sockets
 from hacrl.rollout.engine import EngineError
 from hacrl.rollout.engine_host import _Conn, _connect
 from hacrl.rollout.table import load_entry
+from hacrl.runtime import apply_defaults
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +343,7 @@ def serve(path: Path, project: Path, idle_s: float) -> None:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-host: %(message)s",
                         datefmt="%H:%M:%S")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    apply_defaults()
     serve(Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 900.0)
     return 0
 

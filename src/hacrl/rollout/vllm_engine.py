@@ -25,7 +25,7 @@ class VLLMProcess:
 
     ``settings``: how it runs (the keys of :meth:`settings_of`); a process is reused only for the
     same settings. ``reload`` serves new weights in place (vLLM's reload, a tied output head
-    rebuilt: bit for bit a fresh load, ``tests/test_vllm.py``); ``sleep`` frees the device and
+    rebuilt: bit for bit a fresh load, ``tests/rollout/test_vllm.py``); ``sleep`` frees the device and
     keeps the process (GPU engines started with ``sleep_mode``); ``close`` stops its group.
     """
 

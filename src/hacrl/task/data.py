@@ -167,6 +167,11 @@ def read_jsonl(path: str | Path) -> list[Problem]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_split(tasks_dir: str | Path, name: str) -> list[Problem]:
+    """One split of the prepared task data (``train``, ``dev`` or ``heldout``) in ``tasks_dir``."""
+    return read_jsonl(Path(tasks_dir) / f"{name}.jsonl")
+
+
 def completion_text(answer: str) -> str:
     """The supervised target after the prompt (the RL reward checks only the boxed answer)."""
     return f" \\boxed{{{answer}}}"

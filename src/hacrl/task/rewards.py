@@ -10,7 +10,7 @@ An answer whose verdict the strings alone decide is not sent to a worker (``fast
 canonical integer gold (at most 12 digits) against a response that is exactly ``\\boxed{N}``
 for a canonical integer N. math-verify compares two integers exactly (no float tolerance: that
 applies only when one side is a float), so its verdict is "correct" iff the digit strings are
-equal; ``tests/test_rewards.py`` checks the agreement on a corpus of such pairs. Anything else,
+equal; ``tests/task/test_rewards.py`` checks the agreement on a corpus of such pairs. Anything else,
 or ``reward.fast_path: false``, goes to math-verify. Workers start when the first answer needs
 one, so a call the fast path settles pays no math-verify import.
 
@@ -19,7 +19,7 @@ outstanding (a pipeline), so it never idles on a round trip to the parent, and t
 of consecutive ones, so a prompt's samples meet the same caches; it imports math-verify before
 it reads its first answer and says so, so the import is not charged to any answer's time limit;
 it reuses parsed gold answers and keeps more of math-verify's LaTeX conversions. Every other verdict is
-still ``check()``'s, computed by math-verify in a worker.
+still ``verdict()``'s, computed by math-verify in a worker.
 """
 
 from __future__ import annotations
@@ -34,11 +34,16 @@ import sys
 import time
 from collections import deque
 
+from hacrl.config.schema import RewardConfig
+
 log = logging.getLogger(__name__)
 
 CORRECT, WRONG, NO_ANSWER, TIMEOUT, GOLD_UNPARSEABLE = (
     "correct", "wrong", "no_answer", "timeout", "gold_unparseable")
 VERDICTS = (CORRECT, WRONG, NO_ANSWER, TIMEOUT, GOLD_UNPARSEABLE)
+
+DEFAULT = RewardConfig()
+"""``reward``'s defaults (config/schema.py), for callers that pass none (scripts, benchmarks)."""
 
 KILL_GRACE_S = 1.0
 """A check is killed this long after its ``timeout_s``: math-verify's alarms end every
@@ -119,7 +124,7 @@ def _timeouts() -> _Timeouts:
     return _TIMEOUTS
 
 
-def check(gold: str, response: str, timeout_s: float = 5.0, golds: dict[str, list] | None = None) -> str:
+def verdict(gold: str, response: str, timeout_s: float = DEFAULT.timeout_s, golds: dict[str, list] | None = None) -> str:
     """Verify one response against one gold answer (gold first; math-verify is not symmetric).
 
     ``golds``: parsed gold answers to reuse (a worker keeps one; samples of a prompt share their
@@ -201,7 +206,7 @@ def worker_main() -> None:
 
     _timeouts()  # math-verify's warnings: its timeouts counted, nothing printed
     _widen_latex_cache(LATEX_CACHE)
-    timeout_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
+    timeout_s = float(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT.timeout_s
     golds: dict[str, list] = {}
     out = sys.stdout
     out.write(json.dumps(READY) + "\n")
@@ -209,10 +214,10 @@ def worker_main() -> None:
     for line in sys.stdin:
         key, gold, response = json.loads(line)
         try:
-            verdict = check(gold, response, timeout_s, golds)
+            v = verdict(gold, response, timeout_s, golds)
         except Exception:  # noqa: BLE001 - math-verify's own timeout or parse failure
-            verdict = TIMEOUT
-        out.write(json.dumps([key, verdict]) + "\n")
+            v = TIMEOUT
+        out.write(json.dumps([key, v]) + "\n")
         out.flush()
     # nothing is left to write: skip the interpreter's teardown of sympy's objects (a third of a
     # second the parent would wait for at the end of every stage)
@@ -341,7 +346,13 @@ class VerifierPool:
     the real worker only). Workers start at the first answer that needs one, or at :meth:`start`.
     """
 
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, worker_code: str = WORKER_CODE,
+    @classmethod
+    def of(cls, reward: RewardConfig, lease=None) -> VerifierPool:
+        """The pool ``reward`` (``cfg.reward``) describes: its workers, time limit and fast path;
+        ``lease``: ready-made workers (the engine host's), else started here."""
+        return cls(reward.workers, reward.timeout_s, fast_path=reward.fast_path, lease=lease)
+
+    def __init__(self, workers: int = DEFAULT.workers, timeout_s: float = DEFAULT.timeout_s, worker_code: str = WORKER_CODE,
                  depth: int = PIPELINE_DEPTH, announces_ready: bool | None = None,
                  fast_path: bool | None = None, lease=None):
         self.worker_code = worker_code

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from hacrl.config.schema import FieldsConfig
 from hacrl.errors import DataError
-
-FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
-ANSWER_FORMATS = ("raw", "boxed", "gsm8k")
 
 MAX_LINE_BYTES = 1 << 20
 """A JSONL line longer than this is refused unparsed."""
@@ -56,20 +54,15 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[str, int, object]]:
     if not path.exists():
         raise DataError(f"{path}: file does not exist")
     fmt = detect_format(path) if fmt == "auto" else fmt
-    if fmt == "jsonl":
-        if path.is_dir():
-            raise DataError(f"{path}: a directory, not a JSONL file (a datasets.save_to_disk directory: "
-                            "data.format=hf_disk)")
-        yield from _jsonl_rows(path)
-    elif fmt == "parquet":
-        yield from _parquet_rows(path)
-    elif fmt == "hf_disk":
-        yield from _hf_disk_rows(path)
-    else:
-        raise DataError(f"{path}: unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    if fmt not in READERS:
+        raise DataError(f"{path}: unknown format {fmt!r} (one of auto, {', '.join(READERS)})")
+    yield from READERS[fmt](path)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, object]]:
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, not a JSONL file (a datasets.save_to_disk directory: "
+                        "data.format=hf_disk)")
     with open(path, "rb") as f:
         for i, (raw, size) in enumerate(_capped_lines(f, MAX_LINE_BYTES), 1):
             where = f"{path}:{i}"
@@ -196,15 +189,9 @@ equal to 5, so every response would be scored wrong. ``!`` (a factorial) is kept
 def extract_answer(value: object, answer_format: str) -> str | None:
     """The gold answer inside an answer field, without trailing sentence punctuation; None when
     the format finds none."""
-    text = str(value).strip()
-    if answer_format == "raw":
-        got = text
-    elif answer_format == "boxed":
-        got = last_boxed(text)
-    elif answer_format == "gsm8k":
-        got = gsm8k_answer(text)
-    else:
+    if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"unknown answer format {answer_format!r}")
+    got = ANSWER_FORMATS[answer_format].extract(str(value).strip())
     got = _TRAILING_PUNCT.sub("", got) if got is not None else None
     return got or None
 
@@ -236,9 +223,7 @@ def to_problem(rec: object, fields: FieldsConfig, answer_format: str, default_id
         return f"field {fields.answer!r} has {len(str(answer)):,} characters, over the limit of {MAX_FIELD_CHARS:,}"
     gold = extract_answer(answer, answer_format)
     if gold is None:
-        where = {"raw": "it is empty", "boxed": "it holds no \\boxed{...}",
-                 "gsm8k": "it holds no '#### <answer>'"}[answer_format]
-        return f"field {fields.answer!r}: {where} (data.answer_format={answer_format})"
+        return f"field {fields.answer!r}: {ANSWER_FORMATS[answer_format].missing} (data.answer_format={answer_format})"
     for what, text, limit in ((f"field {fields.problem!r}", problem, MAX_PROBLEM_CHARS),
                               (f"field {fields.answer!r}" + ("" if answer_format == "raw" else "'s gold answer"),
                                gold, MAX_ANSWER_CHARS)):
@@ -254,3 +239,28 @@ def to_problem(rec: object, fields: FieldsConfig, answer_format: str, default_id
             if v is not None and str(v).strip():
                 out[key] = str(v).strip()
     return out
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """Where the gold answer sits in an answer field (``data.answer_format``)."""
+
+    extract: Callable[[str], str | None]
+    """The answer in the field's text, or None."""
+    missing: str
+    """Why a row has none, in its error line."""
+
+
+ANSWER_FORMATS: dict[str, AnswerFormat] = {
+    "raw": AnswerFormat(lambda text: text, "it is empty"),
+    "boxed": AnswerFormat(last_boxed, "it holds no \\boxed{...}"),
+    "gsm8k": AnswerFormat(gsm8k_answer, "it holds no '#### <answer>'"),
+}
+"""The answer formats, by the name ``data.answer_format`` takes (the schema's choices; a test
+checks that they agree)."""
+
+READERS: dict[str, Callable[[Path], Iterator[tuple[str, int, object]]]] = {
+    "jsonl": _jsonl_rows, "parquet": _parquet_rows, "hf_disk": _hf_disk_rows}
+"""The file formats, by the name ``data.format`` takes besides ``auto`` (the schema's choices; a
+test checks that they agree)."""
+

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records
-from hacrl.pipeline.common import layout
 from hacrl.pipeline.result import StageResult, numbers
 from hacrl.rl.capability import update_history
 from hacrl.storage import read_json, write_json
@@ -12,7 +11,7 @@ from hacrl.storage import read_json, write_json
 
 def compute_capability_stats(cfg: Config, t: int) -> StageResult:
     """Extend the capability history with step t: accuracy, windowed P_hat, omega, pooled stats."""
-    lay = layout(cfg)
+    lay = cfg.layout
     prev = read_json(lay.capability(t - 1))
     per_agent = {a.name: read_records(lay.rewards(t) / f"{a.name}.parquet", "verdict") for a in cfg.agents}
     c = cfg.algorithm.capability

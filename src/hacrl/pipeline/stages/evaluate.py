@@ -12,12 +12,13 @@ from hacrl.agents.pool import load_agent
 from hacrl.agents.warmup import accuracy, greedy_accuracy, greedy_answers
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records
-from hacrl.pipeline.common import layout, resource_plan, set_threads, split
-from hacrl.pipeline.engines import place, verifier_lease
+from hacrl.pipeline.stage_engines import place, verifier_lease
 from hacrl.pipeline.result import Input, StageResult, numbers
-from hacrl.resources import placement
+from hacrl.resources import placement, plan_for
 from hacrl.rl.algorithms import LOSSES
+from hacrl.runtime import set_threads
 from hacrl.storage import read_json, write_json
+from hacrl.task.data import read_split
 from hacrl.task.rewards import VerifierPool
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def standard_error(p: float, n: int) -> float:
 def probe_accuracy(cfg: Config, agent, verifier, probes: dict[str, list[str]]) -> dict:
     """Greedy pass@1 of ``agent`` on named sets of training prompts (``NAME_accuracy``, ``NAME_n``;
     an empty set is left out): what a loss asks the evaluation to measure after its update."""
-    by_id = {p["id"]: p for p in split(cfg, "train")}
+    by_id = {p["id"]: p for p in read_split(cfg.layout.tasks, "train")}
     out: dict = {}
     for key, ids in probes.items():
         if ids:
@@ -54,17 +55,16 @@ class _SerialVerifier:
 def evaluate(cfg: Config, t: int) -> StageResult:
     """Greedy pass@1 on the held-out split (``eval.split``: or dev) per agent and level; extends
     the run history."""
-    set_threads(cfg)
-    lay = layout(cfg)
-    held = split(cfg, cfg.eval.split)
+    set_threads(cfg.experiment.threads)
+    lay = cfg.layout
+    held = read_split(cfg.layout.tasks, cfg.eval.split)
     update_stats = read_json(lay.update_stats(t)) if t > 0 else {}
-    eplan = resource_plan(cfg)  # evaluation generates where the agent's rollouts do
+    eplan = plan_for(cfg)  # evaluation generates where the agent's rollouts do
     hooks = LOSSES[cfg.algorithm.loss.name].hooks if t > 0 else None  # the loss's own probes (SGT: its rescues)
     metrics: dict = {"iteration": t, "agents": {}}
     # an agent's answers are checked (in the verifier's processes, driven from a thread) while the
     # next agent generates: checking costs about as much as generating here
-    with VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path,
-                      lease=verifier_lease(cfg)) as ver, ThreadPoolExecutor(1) as checks:
+    with VerifierPool.of(cfg.reward, lease=verifier_lease(cfg)) as ver, ThreadPoolExecutor(1) as checks:
         serial = _SerialVerifier(ver, checks)  # one caller of the pool at a time
         pending, extra = {}, {}
         for ac in cfg.agents:

@@ -10,8 +10,8 @@ from hacrl.agents.pool import load_tokenizer, prompt_template
 from hacrl.config.schema import Config
 from hacrl.exchange import thl
 from hacrl.exchange.experience import LearnerView, pair_residuals, publish, read_records, subscribe, write_records
-from hacrl.pipeline.common import artifact, layout
 from hacrl.pipeline.result import StageResult, numbers
+from hacrl.pipeline.table import output_identity
 from hacrl.storage import atomic_path, write_json
 from hacrl.task.data import target_text
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def exchange_and_align(cfg: Config, t: int) -> StageResult:
     """Publish every agent's typed records (SEE); build each learner's input from its
     subscription, peers' records retokenised and aligned by THL; THL residuals per pair."""
-    lay = layout(cfg)
+    lay = cfg.layout
     a = cfg.algorithm
     published = {ac.name: publish(read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout"),
                                   read_records(lay.rewards(t) / f"{ac.name}.parquet", "verdict"))
@@ -37,7 +37,7 @@ def exchange_and_align(cfg: Config, t: int) -> StageResult:
                            cfg.data.completion)
 
     with atomic_path(lay.exchange(t), is_dir=True,
-                     identity=artifact(cfg, lay.exchange(t), "exchange-and-align", t)) as tmp:
+                     identity=output_identity(cfg, lay.exchange(t), "exchange-and-align", t)) as tmp:
         def out_of(final: Path) -> Path:  # the same place under the temporary directory
             out = tmp / final.relative_to(lay.exchange(t))
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,14 @@ from hacrl.agents.pool import load_agent
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import rollout_records, write_records
-from hacrl.pipeline.common import artifact, compact, hash_seed, layout, resource_plan, set_threads, split
-from hacrl.pipeline.engines import LOADING, SERIAL, StageEngines, place
-from hacrl.pipeline.result import StageResult, numbers
-from hacrl.resources import placement, run_stage
+from hacrl.pipeline.stage_engines import LOADING, SERIAL, StageEngines, place
+from hacrl.pipeline.result import StageResult, compact, numbers
+from hacrl.pipeline.table import output_identity
+from hacrl.resources import placement, plan_for, run_stage
 from hacrl.rollout.engine import SamplingParams, cut_at_stop
 from hacrl.rollout.table import engine_spec
+from hacrl.runtime import set_threads
+from hacrl.seeds import hash_seed
 from hacrl.storage import atomic_path
 from hacrl.task import data as task_data
 
@@ -27,21 +29,21 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
 
     Agents run as the MWRA plan places them (one after another on a CPU host; at once where
     their devices do not overlap). ``live``: engines kept across iterations by an in-process run
-    (see :func:`hacrl.pipeline.engines.open_engine`); the plan's releases apply to them.
+    (see :func:`hacrl.pipeline.stage_engines.open_engine`); the plan's releases apply to them.
     """
-    set_threads(cfg)
+    set_threads(cfg.experiment.threads)
     log.info("── iteration %d/%d (%s) ──", t, cfg.experiment.iterations, cfg.algorithm.name)
-    lay = layout(cfg)
-    prompts = task_data.prompts_for_iteration(split(cfg, "train"), cfg.rollout.prompts_per_iteration,
+    lay = cfg.layout
+    prompts = task_data.prompts_for_iteration(task_data.read_split(cfg.layout.tasks, "train"), cfg.rollout.prompts_per_iteration,
                                               cfg.experiment.seed, t)
     r = cfg.rollout
     spec = engine_spec(r.engine)
-    rplan = resource_plan(cfg)
+    rplan = plan_for(cfg)
     # resolved here, before the jobs' threads: transformers' lazy attributes are not thread-safe
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     with atomic_path(lay.rollouts(t), is_dir=True,
-                     identity=artifact(cfg, lay.rollouts(t), "generate-rollouts", t)) as tmp, \
+                     identity=output_identity(cfg, lay.rollouts(t), "generate-rollouts", t)) as tmp, \
             StageEngines(cfg, live) as engines:
         def job(j) -> dict:
             ac = cfg.agent(j.agent)

@@ -7,8 +7,8 @@ import random
 
 from hacrl.config.schema import Config
 from hacrl.errors import DataError
-from hacrl.pipeline.common import artifact, layout
 from hacrl.pipeline.result import Input, StageResult, numbers
+from hacrl.pipeline.table import output_identity
 from hacrl.storage import atomic_path, write_json
 from hacrl.task import data as task_data
 
@@ -52,8 +52,8 @@ def prepare_data(cfg: Config) -> StageResult:
         log.warning("held-out: dropped %d problems also in train/dev (data.heldout_overlap=drop)", len(leaked))
         if not splits["heldout"]:
             raise DataError(f"{d.heldout_path}: every held-out problem is also a training problem")
-    out = layout(cfg).tasks
-    with atomic_path(out, is_dir=True, identity=artifact(cfg, out, "prepare-data")) as tmp:
+    out = cfg.layout.tasks
+    with atomic_path(out, is_dir=True, identity=output_identity(cfg, out, "prepare-data")) as tmp:
         for name, probs in splits.items():
             task_data.write_jsonl(tmp / f"{name}.jsonl", probs)
         manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,

@@ -10,10 +10,12 @@ from hacrl.agents.pool import Agent, build_model, load_agent, save_agent, train_
 from hacrl.agents.pretrained import FETCHERS
 from hacrl.agents.warmup import warm_up
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import artifact, compact, layout, set_threads, split
-from hacrl.pipeline.result import Input, StageResult, numbers
+from hacrl.pipeline.result import Input, StageResult, compact, numbers
+from hacrl.pipeline.table import output_identity
+from hacrl.runtime import set_threads
 from hacrl.storage import atomic_path, without_timings, write_json
 from hacrl.task import data as task_data
+from hacrl.task.data import read_split
 from hacrl.task.rewards import VerifierPool
 
 log = logging.getLogger(__name__)
@@ -25,12 +27,12 @@ def prepare_pool(cfg: Config) -> StageResult:
     An agent with ``path`` is a real model: its directory is copied as iteration 0's
     checkpoint (and warmed up only if its warm-up budget is positive).
     """
-    set_threads(cfg)
-    lay = layout(cfg)
-    splits = {s: split(cfg, s) for s in ("train", "dev")}
+    set_threads(cfg.experiment.threads)
+    lay = cfg.layout
+    splits = {s: read_split(cfg.layout.tasks, s) for s in ("train", "dev")}
     records = {}
     ckpts = lay.checkpoints(0)
-    with atomic_path(ckpts, is_dir=True, identity=artifact(cfg, ckpts, "prepare-pool", 0)) as tmp_ckpts, VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path) as ver:
+    with atomic_path(ckpts, is_dir=True, identity=output_identity(cfg, ckpts, "prepare-pool", 0)) as tmp_ckpts, VerifierPool.of(cfg.reward) as ver:
         for ac in cfg.agents:
             t0 = time.time()
             if ac.path is not None:
@@ -71,7 +73,7 @@ def prepare_pool(cfg: Config) -> StageResult:
             records[ac.name] = rec
             log.info("agent %s: %s", ac.name, compact(rec))
     with atomic_path(lay.train_state(0), is_dir=True,
-                     identity=artifact(cfg, lay.train_state(0), "prepare-pool", 0)) as tmp:
+                     identity=output_identity(cfg, lay.train_state(0), "prepare-pool", 0)) as tmp:
         for ac in cfg.agents:
             (tmp / ac.name).mkdir()
             write_json(tmp / ac.name / "meta.json", {"updates": 0})

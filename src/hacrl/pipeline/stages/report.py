@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import layout
 from hacrl.pipeline.result import StageResult
 from hacrl.storage import atomic_path, atomic_write_text, read_json, write_json
 
@@ -17,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def report(cfg: Config) -> StageResult:
     """``reports/summary.json``, per-iteration curves (CSV, for ``dvc plots``) and PNG plots."""
-    lay = layout(cfg)
+    lay = cfg.layout
     history = read_json(lay.history(cfg.experiment.iterations))
     pool = read_json(lay.it(0) / "pool.json")
     out = write_report(history, pool, Path(cfg.experiment.reports_dir))

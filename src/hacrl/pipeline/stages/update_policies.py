@@ -6,12 +6,13 @@ import dataclasses
 import logging
 
 from hacrl.config.schema import Config
-from hacrl.pipeline.common import artifact, compact, layout, resource_plan, set_threads
-from hacrl.pipeline.learner import update_agent
-from hacrl.pipeline.result import Input, Series, StageResult, numbers, shard_inputs
-from hacrl.pipeline.update_worker import launch
-from hacrl.resources import placement, run_stage
+from hacrl.pipeline.learner_step import update_agent
+from hacrl.pipeline.result import Input, Series, StageResult, compact, numbers, shard_inputs
+from hacrl.pipeline.table import output_identity
+from hacrl.pipeline.data_parallel import launch
+from hacrl.resources import placement, plan_for, run_stage
 from hacrl.rl.algorithms import LOSSES
+from hacrl.runtime import set_threads
 from hacrl.storage import atomic_path, without_timings, write_json
 
 log = logging.getLogger(__name__)
@@ -26,18 +27,18 @@ def update_policies(cfg: Config, t: int) -> StageResult:
 
     Learners run as the MWRA plan places them: one after another on a CPU host, at once where
     their devices do not overlap. An update runs in this process at world size 1 when it has the
-    host to itself; otherwise as its own processes (:func:`hacrl.pipeline.update_worker.launch`), as many
+    host to itself; otherwise as its own processes (:func:`hacrl.pipeline.data_parallel.launch`), as many
     as ``trainer.world_size`` on the CPU or its GPUs on a GPU host."""
-    set_threads(cfg)
-    lay = layout(cfg)
-    rplan = resource_plan(cfg)
+    set_threads(cfg.experiment.threads)
+    lay = cfg.layout
+    rplan = plan_for(cfg)
     hooks = LOSSES[cfg.algorithm.loss.name].hooks  # the loss's own bookkeeping (SGT: its rescues)
     private = (*(hooks.private if hooks is not None else ()), "per_update")  # records, not figures
     together = {j.agent for w in rplan.waves if w.stage == "update" and len(w.jobs) > 1 for j in w.jobs}
     with atomic_path(lay.checkpoints(t), is_dir=True,
-                     identity=artifact(cfg, lay.checkpoints(t), "update-policies", t)) as tmp_ck, \
+                     identity=output_identity(cfg, lay.checkpoints(t), "update-policies", t)) as tmp_ck, \
             atomic_path(lay.train_state(t), is_dir=True,
-                        identity=artifact(cfg, lay.train_state(t), "update-policies", t)) as tmp_st:
+                        identity=output_identity(cfg, lay.train_state(t), "update-policies", t)) as tmp_st:
         def job(j) -> dict:
             name = j.agent
             where = placement(cfg.resources, j, cfg.experiment.threads)

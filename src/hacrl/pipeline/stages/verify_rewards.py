@@ -8,9 +8,9 @@ import pandas as pd
 
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records, write_records
-from hacrl.pipeline.common import artifact, compact, layout
-from hacrl.pipeline.engines import verifier_lease
-from hacrl.pipeline.result import StageResult
+from hacrl.pipeline.stage_engines import verifier_lease
+from hacrl.pipeline.result import StageResult, compact
+from hacrl.pipeline.table import output_identity
 from hacrl.storage import atomic_path
 from hacrl.task.rewards import VERDICTS, VerifierPool, reward_of
 
@@ -19,11 +19,10 @@ log = logging.getLogger(__name__)
 
 def verify_rewards(cfg: Config, t: int) -> StageResult:
     """math-verify every rollout against its gold answer in killable worker processes."""
-    lay = layout(cfg)
+    lay = cfg.layout
     stats = {}
-    with atomic_path(lay.rewards(t), is_dir=True, identity=artifact(cfg, lay.rewards(t), "verify-rewards", t)) as tmp, \
-            VerifierPool(cfg.reward.workers, cfg.reward.timeout_s, fast_path=cfg.reward.fast_path,
-                         lease=verifier_lease(cfg)) as pool:
+    with atomic_path(lay.rewards(t), is_dir=True, identity=output_identity(cfg, lay.rewards(t), "verify-rewards", t)) as tmp, \
+            VerifierPool.of(cfg.reward, lease=verifier_lease(cfg)) as pool:
         shards = {ac.name: read_records(lay.rollouts(t) / f"{ac.name}.parquet", "rollout") for ac in cfg.agents}
         # one call for the whole pool: no worker idles at the end of each agent's answers, and
         # an answer two agents both gave is checked once

@@ -27,12 +27,11 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     from hacrl.exchange import thl
     from hacrl.exchange.experience import adapt_response, read_records
     from hacrl.pipeline import table
-    from hacrl.pipeline.common import layout
 
     with workspace(size, work_dir) as cfg:
         t = 1
         table.run("generate-rollouts", cfg, t)
-        lay = layout(cfg)
+        lay = cfg.layout
         toks = {a.name: load_tokenizer(a, lay.checkpoint(0, a.name)) for a in cfg.agents}
         recs = {a.name: read_records(lay.rollouts(t) / f"{a.name}.parquet", "rollout") for a in cfg.agents}
         pairs = [(p.name, q.name) for p in cfg.agents for q in cfg.agents

@@ -200,7 +200,7 @@ def machine() -> dict:
 def as_stage_process(fn: Callable[[], Any]) -> Any:
     """``fn()`` as ``hacrl stage`` runs a stage under ``dvc repro`` or Prefect: its engine
     processes and verifier workers are the workspace engine host's."""
-    from hacrl.pipeline.engines import serve_from_host
+    from hacrl.pipeline.stage_engines import serve_from_host
 
     serve_from_host(True)
     try:

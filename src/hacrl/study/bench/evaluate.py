@@ -24,10 +24,10 @@ def bare_greedy(cfg, t: int = 0) -> int:
     import torch
 
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.common import split as _split
     from hacrl.storage import RunLayout
+    from hacrl.task.data import read_split
 
-    held = _split(cfg, "heldout")
+    held = read_split(cfg.layout.tasks, "heldout")
     n = 0
     for ac in cfg.agents:
         agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(t, ac.name), cfg.trainer.dtype)
@@ -49,7 +49,7 @@ def bare_greedy(cfg, t: int = 0) -> int:
 
 def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     from hacrl.pipeline import table
-    from hacrl.pipeline.common import split
+    from hacrl.task.data import read_split
 
     with workspace(size, work_dir) as cfg:
         def stage() -> dict:
@@ -84,7 +84,7 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
             from hacrl.rollout import engine_host
 
             engine_host.stop(Path.cwd())
-        work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(split(cfg, "heldout")),
+        work = {"agents": ", ".join(a.name for a in cfg.agents), "heldout": len(read_split(cfg.layout.tasks, "heldout")),
                 "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size,
                 "verifier_workers": cfg.reward.workers}
     return SuiteResult("evaluate", "answers", work, measured, [Goal("stage", "bare_generate", 0.9),

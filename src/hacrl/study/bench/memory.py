@@ -3,7 +3,7 @@ memory budget (``trainer.micro_batch_tokens``), each cell in a process of its ow
 
 One cell: a learner (SmolLM2-135M-Instruct, or the tiny pool's GPT-2 at ``smoke`` size) takes
 one optimizer update (one mini-batch: ``samples`` rows of a 64-token prompt and a
-``response``-token response, GRPO, DeepSpeed) through :func:`hacrl.rl.update.train_learner`,
+``response``-token response, GRPO, DeepSpeed) through :func:`hacrl.rl.step.train_learner`,
 the code update-policies runs. The rows are synthetic (random tokens, rewards in a fixed
 pattern with spread in every prompt group): memory and time depend on shapes, not on words.
 The cell's process reports its peak resident memory (``ru_maxrss``: exact, not sampled), its
@@ -80,7 +80,7 @@ def cell(spec: dict) -> dict:
 
     from hacrl.agents.pool import load_agent
     from hacrl.pipeline import params
-    from hacrl.rl.update import train_learner
+    from hacrl.rl.step import train_learner
 
     torch.set_num_threads(int(spec.get("threads", 2)))
     d = params.compose(spec["overrides"])

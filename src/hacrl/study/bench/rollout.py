@@ -25,13 +25,13 @@ def bare_generate(cfg, t: int = 1) -> int:
     import torch
 
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.common import hash_seed
-    from hacrl.pipeline.common import split as _split
+    from hacrl.seeds import hash_seed
     from hacrl.storage import RunLayout
     from hacrl.task import data as task_data
+    from hacrl.task.data import read_split
 
     r = cfg.rollout
-    prompts = task_data.prompts_for_iteration(_split(cfg, "train"), r.prompts_per_iteration, cfg.experiment.seed, t)
+    prompts = task_data.prompts_for_iteration(read_split(cfg.layout.tasks, "train"), r.prompts_per_iteration, cfg.experiment.seed, t)
     total = 0
     for ac in cfg.agents:
         agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(t - 1, ac.name), cfg.trainer.dtype)

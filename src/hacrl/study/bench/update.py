@@ -12,7 +12,7 @@ is part of its work.
 
 Contenders:
 
-- ``stage``: :func:`hacrl.rl.update.train_learner` as update-policies runs it (DeepSpeed engine on
+- ``stage``: :func:`hacrl.rl.step.train_learner` as update-policies runs it (DeepSpeed engine on
   the CPU accelerator), default config: the old log-probs recomputed (verl's behaviour).
 - ``stage_gen_logprobs``: the same with ``trainer.recompute_old_logprobs=false``: own samples
   of the transformers engine keep their generation log-probs, so no no-grad pass.
@@ -50,19 +50,17 @@ def _prepare_iteration(cfg, t: int = 1) -> None:
 
 def _load(cfg, name: str, t: int):
     from hacrl.agents.pool import load_agent
-    from hacrl.pipeline.common import layout
 
-    return load_agent(cfg.agent(name), layout(cfg).checkpoint(t - 1, name), cfg.trainer.dtype)
+    return load_agent(cfg.agent(name), cfg.layout.checkpoint(t - 1, name), cfg.trainer.dtype)
 
 
 def _ours(agent, cfg, name: str, t: int, state_dir: Path) -> dict:
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.common import hash_seed
-    from hacrl.pipeline.common import layout as _layout
-    from hacrl.rl.update import train_learner
+    from hacrl.rl.step import train_learner
+    from hacrl.seeds import hash_seed
     from hacrl.storage import read_json
 
-    lay = _layout(cfg)
+    lay = cfg.layout
     batch = read_records(lay.learner_input(t, name), "learner_input")
     stats = train_learner(agent, batch, cfg, seed=hash_seed(cfg.experiment.seed, "update", t, name),
                           prev_state=lay.train_state(t - 1) / name, out_state=state_dir,
@@ -76,14 +74,13 @@ def _trl_inputs(cfg, name: str, t: int):
     """The stage's batch as TRL's tensors: left-padded prompts, right-padded completions, and
     the advantages the stage's estimator gives, in the stage's mini-batch count."""
     from hacrl.exchange.experience import read_records
-    from hacrl.pipeline.common import hash_seed
-    from hacrl.pipeline.common import layout as _layout
     from hacrl.rl.algorithms import ADVANTAGES
     from hacrl.rl.layout import layout
-    from hacrl.rl.update import advantage_inputs
+    from hacrl.rl.step import advantage_inputs
+    from hacrl.seeds import hash_seed
     from hacrl.storage import read_json
 
-    lay = _layout(cfg)
+    lay = cfg.layout
     batch = read_records(lay.learner_input(t, name), "learner_input")
     adv = ADVANTAGES[cfg.algorithm.advantage.name].fn(
         advantage_inputs(batch, cfg, name, read_json(lay.capability(t))["omega"]), cfg.algorithm.advantage)

@@ -14,10 +14,10 @@ Contenders, interleaved:
   verdict shards;
 - ``pool``: :class:`hacrl.task.rewards.VerifierPool` over all answers in one call (as the stage makes
   it), the pool started and closed in the round: the verifier alone, without the Parquet;
-- ``bare_pool``: what a user would write: ``multiprocessing.Pool(workers).starmap(check, pairs)``
+- ``bare_pool``: what a user would write: ``multiprocessing.Pool(workers).starmap(verdict, pairs)``
   (spawned workers, so they start cold as the stage's do; no dedupe, no hard kill), the pool made
   and closed in every round as the stage's is;
-- ``serial``: ``check`` over every pair in this process (math-verify imported and warmed).
+- ``serial``: ``verdict`` over every pair in this process (math-verify imported and warmed).
 
 Afterwards, the stage's verdicts are compared with ``serial``'s pair by pair, and two single
 timed checks measure how far past its timeout a check can run: a pathological answer (ended by
@@ -211,10 +211,10 @@ def _quiet() -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # pathological answers time out
 
 
-def _check(gold: str, response: str, timeout_s: float) -> str:
-    from hacrl.task.rewards import check
+def _verdict(gold: str, response: str, timeout_s: float) -> str:
+    from hacrl.task.rewards import verdict
 
-    return check(gold, response, timeout_s)
+    return verdict(gold, response, timeout_s)
 
 
 def bare_pool(pairs: list[tuple[str, str]], workers: int, timeout_s: float, method: str = "spawn") -> list[str]:
@@ -224,7 +224,7 @@ def bare_pool(pairs: list[tuple[str, str]], workers: int, timeout_s: float, meth
     the workers would inherit sympy's and math-verify's caches, which the ``serial`` contender
     filled with these very expressions: a head start no user's script has."""
     with multiprocessing.get_context(method).Pool(workers, initializer=_quiet) as pool:
-        return pool.starmap(_check, [(g, r, timeout_s) for g, r in pairs])
+        return pool.starmap(_verdict, [(g, r, timeout_s) for g, r in pairs])
 
 
 def overshoot(timeout_s: float = TIMEOUT_S) -> dict:
@@ -252,7 +252,7 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     from hacrl.exchange.experience import read_records
     from hacrl.pipeline import table
     from hacrl.storage import RunLayout
-    from hacrl.task.rewards import VerifierPool, check
+    from hacrl.task.rewards import VerifierPool, verdict
 
     _quiet()
     cfg = bench_config(work_dir)
@@ -278,16 +278,16 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
         return len(pairs)
 
     def serial() -> int:
-        last["serial"] = [check(g, r, timeout_s) for g, r in pairs]
+        last["serial"] = [verdict(g, r, timeout_s) for g, r in pairs]
         return len(pairs)
 
     measured = compare([
         Contender("stage", stage, f"verify_rewards: Parquet in and out, {workers} pipelined workers "
                                   "that reuse parsed gold answers, dedupe, hard kill"),
         Contender("pool", pool, f"VerifierPool({workers}).verify over all answers in one call, no Parquet"),
-        Contender("bare_pool", bare, f"multiprocessing spawn Pool({workers}).starmap(check), no dedupe, "
+        Contender("bare_pool", bare, f"multiprocessing spawn Pool({workers}).starmap(verdict), no dedupe, "
                                      "no hard kill"),
-        Contender("serial", serial, "check() in this process, math-verify imported and warm (sympy's "
+        Contender("serial", serial, "verdict() in this process, math-verify imported and warm (sympy's "
                                     "cache too, from the earlier rounds)"),
     ], reps)
     lay = RunLayout(cfg.experiment.runs_dir)
@@ -301,13 +301,13 @@ def run(size: str, reps: int, work_dir: Path) -> SuiteResult:
     measured["pool"].extra["verdicts_differing_from_serial"] = diff_pool
     measured["bare_pool"].extra["verdicts_differing_from_serial"] = diff_bare
     if diff or diff_pool:
-        log.error("the stage's / pool's verdicts differ from serial check() on %d / %d of %d answers",
+        log.error("the stage's / pool's verdicts differ from serial verdict() on %d / %d of %d answers",
                   diff, diff_pool, len(pairs))
     kinds = Counter(it.kind for it in items)
     work = {"answers": len(pairs), "distinct_pairs": len(set(pairs)), "workers": workers, "timeout_s": timeout_s,
             **{f"kind_{k}": n for k, n in sorted(kinds.items())},
             "verdicts": dict(sorted(Counter(last["serial"]).items()))}
-    notes = ["the verdicts of every contender come from the same check(); the stage's are compared with "
+    notes = ["the verdicts of every contender come from the same verdict(); the stage's are compared with "
              "serial's answer by answer (verdicts_differing_from_serial)",
              f"pathological answers end by math-verify's alarm after about timeout_s={timeout_s}s in every "
              "contender; overshoot figures: seconds past timeout_s of a single check, the pool warm"]

@@ -15,15 +15,12 @@ gradient norm (which any change of advantage, weighting or normalisation moves b
 
 import hashlib
 import json
-import os
 
 import pytest
+from conftest import ROOT, fixed_rewards
 
-from hacrl.exchange.experience import read_records, write_records
-from hacrl.pipeline import params, table
+from hacrl.pipeline import table
 from hacrl.storage import RunLayout
-
-from conftest import ROOT, SMOKE
 
 PINS = json.loads((ROOT / "tests" / "data" / "update_pins.json").read_text())
 
@@ -37,15 +34,8 @@ EARLIER = {
 
 
 # the head projected at every position, as when the pins were made: response-only logits give
-# the same log-probs but round the head's weight gradient differently (tests/test_update_speed.py)
+# the same log-probs but round the head's weight gradient differently (tests/rl/test_update_speed.py)
 ALL_POSITIONS = ["trainer.response_logits_only=false"]
-
-
-def _cfg(tmp, algo):
-    d = params.compose(SMOKE + [f"algorithm={algo}"] + EARLIER.get(algo, []) + ALL_POSITIONS)
-    d["experiment"]["runs_dir"] = str(tmp / "runs")
-    d["experiment"]["reports_dir"] = str(tmp / "reports")
-    return params.from_dict(d)
 
 
 def weights_sha256(model_dir) -> str:
@@ -60,42 +50,22 @@ def weights_sha256(model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def rollouts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pins")
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        base = _cfg(tmp, "grpo")
-        table.run("prepare-data", base)
-        table.run("prepare-pool", base)
-        table.run("generate-rollouts", base, 1)
-        table.run("verify-rewards", base, 1)
-        lay = RunLayout(base.experiment.runs_dir)
-        for a in base.agents:
-            f = lay.rewards(1) / f"{a.name}.parquet"
-            df = read_records(f, "verdict")
-            n = df["record_id"].map(lambda r: sum(map(ord, r)))
-            df["reward"] = ((n % 3) == 0).astype(float)
-            df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
-            write_records(f, df, "verdict")
-        yield tmp
-    finally:
-        os.chdir(cwd)
+def rollouts(workspaces):
+    """Iteration 1's rollouts and (fixed) rewards of the tiny pool, once for every algorithm (the
+    pins were made on the same rollouts)."""
+    workspaces.iteration("pins", *ALL_POSITIONS, until="exchange-and-align", rewards=fixed_rewards)
+    return workspaces
 
 
 @pytest.mark.parametrize("algo", sorted(PINS["updates"]))
 def test_one_smoke_update_is_bit_identical_to_the_pinned_one(rollouts, algo):
     import torch
 
-    cfg = _cfg(rollouts, algo)
-    cwd = os.getcwd()
-    os.chdir(rollouts)
-    try:
+    cfg = rollouts.config("pins", f"algorithm={algo}", *EARLIER.get(algo, []), *ALL_POSITIONS)
+    with rollouts.inside():
         table.run("exchange-and-align", cfg, 1)
         table.run("compute-capability-stats", cfg, 1)
         got = table.run("update-policies", cfg, 1)
-    finally:
-        os.chdir(cwd)
     lay = RunLayout(cfg.experiment.runs_dir)
     exact = torch.backends.cpu.get_cpu_capability() == PINS["cpu_capability"]
     for agent, pin in PINS["updates"][algo].items():

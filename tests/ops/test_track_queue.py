@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import SMOKE
+
 from hacrl.ops import track_queue
 from hacrl.pipeline import params
-
-from conftest import SMOKE
 
 
 def _cfg(tmp_path: Path):
@@ -35,7 +35,7 @@ track_queue.log_stage(cfg, "compute-capability-stats", 1, res, 1.5, project_dir=
 assert "mlflow" not in sys.modules, "the stage process imported mlflow"
 print("ok")
 """
-    env = dict(os.environ, PYTHONPATH=f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{Path(__file__).parents[1]}:{os.environ.get('PYTHONPATH', '')}")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr
     cfg = _cfg(tmp_path)

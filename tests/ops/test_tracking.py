@@ -5,20 +5,19 @@ versions with itT aliases, and a new experiment run when the config changes the 
 
 The stage results here are written by hand (the files they point at exist, with made-up
 content): what is tested is what tracking makes of any stage's result; the real stages'
-results reach MLflow in tests/test_e2e_dvc.py."""
+results reach MLflow in tests/pipeline/test_e2e_dvc.py."""
 
 import json
 from pathlib import Path
 
 import pytest
+from conftest import SMOKE
 
 from hacrl.hashes import dvc_hash
 from hacrl.ops.tracking import Tracker
 from hacrl.pipeline import params
 from hacrl.pipeline.result import Input, Series, StageResult
 from hacrl.storage import RunLayout, read_json
-
-from conftest import SMOKE
 
 AGENTS = ("gpt2-a", "llama-b")
 

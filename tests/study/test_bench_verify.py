@@ -1,10 +1,10 @@
-"""The verify benchmark: its corpus verified by the pool as by serial ``check()``, and the suite
+"""The verify benchmark: its corpus verified by the pool as by serial ``verdict()``, and the suite
 end to end at smoke size (real math-verify, no mocks)."""
 
 import json
 
 from hacrl.study.bench.verify import TIMEOUT_S, corpus
-from hacrl.task.rewards import VerifierPool, check
+from hacrl.task.rewards import VerifierPool, verdict
 
 
 def test_the_pool_gives_check_s_verdict_for_every_pair_of_the_corpus():
@@ -16,7 +16,7 @@ def test_the_pool_gives_check_s_verdict_for_every_pair_of_the_corpus():
     with VerifierPool(2, TIMEOUT_S) as pool:
         got = pool.verify(pairs)
         assert pool.killed == 0
-    assert got == [check(g, r, TIMEOUT_S) for g, r in pairs]
+    assert got == [verdict(g, r, TIMEOUT_S) for g, r in pairs]
 
 
 def test_the_corpus_is_deterministic():

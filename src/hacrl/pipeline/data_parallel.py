@@ -1,9 +1,9 @@
 """A learner's update as several processes (DeepSpeed data parallelism), started by the stage.
 
 ``update-policies`` calls :func:`launch` for each learner when ``trainer.world_size`` > 1. It
-starts ``world_size`` ranks of ``python -m hacrl.pipeline.update_worker`` on this host. Each rank runs
-the same :func:`hacrl.pipeline.learner.update_agent` on its share of every mini-batch (whole prompt
-groups, :func:`hacrl.rl.update.rank_rows`).
+starts ``world_size`` ranks of ``python -m hacrl.pipeline.data_parallel`` on this host. Each rank runs
+the same :func:`hacrl.pipeline.learner_step.update_agent` on its share of every mini-batch (whole prompt
+groups, :func:`hacrl.rl.step.rank_rows`).
 
 - **Rendezvous:** the ranks meet through a file in the stage's scratch directory, so no store
   listens on a port, and gloo is bound to the loopback interface.
@@ -33,6 +33,7 @@ from pathlib import Path
 from hacrl.config.schema import Config
 from hacrl.errors import NonFiniteLossError
 from hacrl.pipeline.params import from_dict
+from hacrl.runtime import apply_defaults
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, time
             out = open(scratch / f"rank{rank}.log", "w+")
             logs.append(out)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "hacrl.pipeline.update_worker", str(scratch / "config.json"), "--iteration", str(t),
+                [sys.executable, "-m", "hacrl.pipeline.data_parallel", str(scratch / "config.json"), "--iteration", str(t),
                  "--agent", name, "--ckpt-out", str(ckpt_out), "--state-out", str(state_out),
                  "--stats-out", str(scratch / STATS_FILE)],
                 env=rank_env, stdout=out, stderr=subprocess.STDOUT))
@@ -111,8 +112,8 @@ def launch(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path, time
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank: ``python -m hacrl.pipeline.update_worker CONFIG_JSON --iteration T --agent NAME ...``."""
-    ap = argparse.ArgumentParser(prog="hacrl.pipeline.update_worker")
+    """One rank: ``python -m hacrl.pipeline.data_parallel CONFIG_JSON --iteration T --agent NAME ...``."""
+    ap = argparse.ArgumentParser(prog="hacrl.pipeline.data_parallel")
     ap.add_argument("config")
     ap.add_argument("--iteration", type=int, required=True)
     ap.add_argument("--agent", required=True)
@@ -120,20 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-out", required=True)
     ap.add_argument("--stats-out", required=True)
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    apply_defaults()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s rank{os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    import torch
-
-    from hacrl.pipeline.learner import update_agent
+    from hacrl.pipeline.learner_step import update_agent
     from hacrl.rl.trainer import init_distributed, world
+    from hacrl.runtime import set_threads
     from hacrl.storage import write_json
 
-    torch.set_num_threads(int(os.environ.get("HACRL_THREADS", "1")))
+    set_threads(int(os.environ.get("HACRL_THREADS", "1")))
     cfg = from_dict(json.loads(Path(args.config).read_text()))
     init_distributed()
     try:

@@ -9,17 +9,14 @@
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from conftest import make_agent
 
 from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.exchange.experience import read_records
-from hacrl.pipeline import params, table
 from hacrl.storage import RunLayout
-
-from conftest import SMOKE, make_agent
 
 
 def _batch(agent, n=24):
@@ -58,26 +55,15 @@ def test_grad_forward_equals_no_grad_forward_and_response_span_equals_all_positi
 
 
 @pytest.fixture(scope="module")
-def iteration1(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("upd")
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        d = params.compose(SMOKE + ["algorithm=hacpo"])
-        d["experiment"]["runs_dir"] = str(tmp / "runs")
-        cfg = params.from_dict(d)
-        for s in ("prepare-data", "prepare-pool"):
-            table.run(s, cfg)
-        for s in ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats"):
-            table.run(s, cfg, 1)
-        yield tmp, cfg
-    finally:
-        os.chdir(cwd)
+def iteration1(workspaces):
+    cfg = workspaces.iteration("speed-hacpo", "algorithm=hacpo")
+    with workspaces.inside():
+        yield workspaces.root / "speed-hacpo", cfg
 
 
 def _update(cfg, tmp, name, **trainer):
     from hacrl.agents.pool import load_agent
-    from hacrl.rl.update import train_learner
+    from hacrl.rl.step import train_learner
     from hacrl.storage import read_json
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))

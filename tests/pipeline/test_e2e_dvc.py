@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SMOKE, dvc_workspace
 
 from hacrl.hashes import dvc_hash
 from hacrl.pipeline import table
 from hacrl.storage import read_json
-
-from conftest import SMOKE, dvc_workspace
 
 pytestmark = pytest.mark.slow
 
@@ -269,9 +268,8 @@ def test_a_fresh_workspace_elsewhere_reproduces_the_committed_lock_for_the_data(
     """The project's own pipeline files in another directory: `dvc repro prepare-data` writes the
     task data whose hashes the committed dvc.lock holds (nothing depends on the checkout's path
     or the clock). The pool's tokenizers are the same bytes in every process
-    (tests/test_pool.py); the trained weights depend on the CPU's float arithmetic."""
+    (tests/agents/test_pool.py); the trained weights depend on the CPU's float arithmetic."""
     import yaml
-
     from conftest import ROOT
 
     ws = dvc_workspace(tmp_path / "elsewhere with space", ("dvc.yaml", "dvc.lock", "params.yaml", "dvc.vars.yaml", "conf", "src",

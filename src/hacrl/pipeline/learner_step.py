@@ -1,5 +1,5 @@
 """One learner's update of an iteration: the body update-policies runs, in its own process or in
-each rank of a multi-process update (:mod:`hacrl.pipeline.update_worker`)."""
+each rank of a multi-process update (:mod:`hacrl.pipeline.data_parallel`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 from hacrl.agents.pool import load_agent
 from hacrl.config.schema import Config
 from hacrl.exchange.experience import read_records
-from hacrl.pipeline.common import hash_seed, layout
 from hacrl.rl.trainer import world
-from hacrl.rl.update import train_learner
+from hacrl.rl.step import train_learner
+from hacrl.seeds import hash_seed
 from hacrl.storage import read_json
 
 
 def update_agent(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path) -> dict:
     """One learner's update of iteration ``t``: its new HF checkpoint into ``ckpt_out`` (rank 0
     writes it) and its recovery state into ``state_out``; returns the update's figures. Runs in
-    the stage's process, or in each rank of a multi-process update (:mod:`hacrl.pipeline.update_worker`)."""
-    lay = layout(cfg)
+    the stage's process, or in each rank of a multi-process update (:mod:`hacrl.pipeline.data_parallel`)."""
+    lay = cfg.layout
     ac = cfg.agent(name)
     agent = load_agent(ac, lay.checkpoint(t - 1, name), cfg.trainer.dtype)
     ref = None

@@ -261,7 +261,7 @@ def old_logprobs(model, ref_model, plan: StepPlan, cfg: Config) -> OldPolicy:
     samples, in another tokenizer's tokens; vLLM's kernels) are still scored. When nothing
     needs every pi_old before the first update (no KL reference, no micro-batch counts), the
     first mini-batch's pi_old is its first training forward, detached: the same bits as a
-    no-grad pass (tests/test_update_speed.py), one forward fewer.
+    no-grad pass (tests/rl/test_update_speed.py), one forward fewer.
     """
     use_gen = not cfg.trainer.recompute_old_logprobs and engine_spec(cfg.rollout.engine).exact_logprobs
     old = OldPolicy([[None] * len(mb) for mb in plan.minibatches], None, use_gen)

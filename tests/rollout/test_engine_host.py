@@ -27,14 +27,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import dvc_workspace
-from hacrl.rollout.vllm_engine import vllm_python
+
 from hacrl.rollout import engine_host
+from hacrl.rollout.vllm_engine import vllm_python
 
 pytestmark = pytest.mark.slow
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 ITEMS = ("dvc.yaml", "conf", "src", "flows", "tasks", "prefect.yaml", ".gitignore", ".dvcignore", "pyproject.toml")
 TINY = ["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm", "tracking.enabled=false",
         "experiment.iterations=1", "data.train_size=400", "data.heldout_size=8", "data.dev_size=8",
@@ -42,7 +42,7 @@ TINY = ["agents=smollm2_mix", "experiment=smollm2", "rollout=vllm", "tracking.en
         "trainer.mini_batch_prompts=4", "eval.max_new_tokens=24", "agents.pool.1.warmup.max_steps=20",
         "agents.pool.1.warmup.eval_every=10"]
 STAGE = "generate-rollouts@it1"
-TOL = 1e-3  # the trainer's fp32 forward against vLLM's sampled log-probs (tests/test_smollm2_pool.py)
+TOL = 1e-3  # the trainer's fp32 forward against vLLM's sampled log-probs (tests/agents/test_smollm2_pool.py)
 
 
 def _env() -> dict:
@@ -88,10 +88,10 @@ def _gap(ws: Path, agent: str) -> float:
     """Largest |vLLM's recorded log-prob - the trainer's forward| over the agent's rollouts, the
     forward on the checkpoint the stage read."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hacrl.agents.scoring import pack, response_span, token_logprobs
     from hacrl.exchange.experience import read_records
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = ws / "runs" / "it0" / "checkpoints" / agent
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()

@@ -7,17 +7,14 @@ without a preset that uses it fails here until it has one (so no loss escapes th
 """
 
 import dataclasses
-import os
-import shutil
 
 import numpy as np
 import pytest
 import yaml
+from conftest import ROOT, SMOKE, assert_same_figures, fixed_rewards
 
-from conftest import ROOT, SMOKE, assert_same_figures
-
-from hacrl.exchange.experience import read_records, write_records
-from hacrl.pipeline import params, table
+from hacrl.exchange.experience import read_records
+from hacrl.pipeline import params
 from hacrl.rl.algorithms import LOSSES
 from hacrl.rl.micro import plan
 from hacrl.storage import RunLayout, read_json
@@ -68,69 +65,25 @@ def test_a_budget_that_is_not_a_positive_integer_is_one_line():
 # ----------------------------------------------------------------------------- the same update
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    """A tiny pool at iteration 0, shared by every loss (each then rolls out on its own copy)."""
-    tmp = tmp_path_factory.mktemp("micro")
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        base = _cfg(tmp / "base", "grpo")
-        table.run("prepare-data", base)
-        table.run("prepare-pool", base)
-        yield tmp
-    finally:
-        os.chdir(cwd)
+def pool(workspaces):
+    """The tiny pool's workspaces (each loss then rolls out on its own copy of iteration 0)."""
+    return workspaces
 
 
-def _cfg(root, algo, *extra):
-    d = params.compose(SMOKE + [f"algorithm={algo}", *extra])
-    d["experiment"]["runs_dir"] = str(root / "runs")
-    d["experiment"]["reports_dir"] = str(root / "reports")
-    return params.from_dict(d)
-
-
-_ITERATIONS: dict = {}
-
-
-def _fixed_rewards(df):
-    n = df["record_id"].map(lambda r: sum(map(ord, r)))
-    return ((n % 3) == 0).astype(float)
-
-
-def _iteration(pool, algo, rewards=_fixed_rewards, tag="", extra=()):
+def _iteration(pool, algo, rewards=fixed_rewards, tag="", extra=()):
     """Iteration 1 of ``algo`` up to its update, rewards set to a fixed pattern (the barely
     warmed-up tiny pool scores 0, which trains nothing; ``rewards``: verdict rows -> 0/1;
-    ``extra``: overrides, e.g. a KL term)."""
-    if (algo, tag) in _ITERATIONS:
-        return _ITERATIONS[(algo, tag)]
-    root = pool / (algo + tag)
-    cfg = _cfg(root, algo, *(["algorithm.kl_coef=0.05"] if algo == "grpo" else []), *extra)
-    lay = RunLayout(cfg.experiment.runs_dir)
-    shutil.copytree(pool / "base" / "runs" / "it0", lay.it(0))
-    cwd = os.getcwd()
-    os.chdir(pool)
-    try:
-        table.run("generate-rollouts", cfg, 1)
-        table.run("verify-rewards", cfg, 1)
-        for a in cfg.agents:
-            f = lay.rewards(1) / f"{a.name}.parquet"
-            df = read_records(f, "verdict")
-            df["reward"] = rewards(df)
-            df["verdict"] = df["reward"].map({1.0: "correct", 0.0: "wrong"})
-            write_records(f, df, "verdict")
-        table.run("exchange-and-align", cfg, 1)
-        table.run("compute-capability-stats", cfg, 1)
-    finally:
-        os.chdir(cwd)
-    _ITERATIONS[(algo, tag)] = (root, cfg)
-    return root, cfg
+    ``extra``: overrides, e.g. a KL term). Returns the workspace's directory and config."""
+    kl = ["algorithm.kl_coef=0.05"] if algo == "grpo" else []
+    cfg = pool.iteration(f"micro-{algo}{tag}", f"algorithm={algo}", *kl, *extra, rewards=rewards)
+    return pool.root / f"micro-{algo}{tag}", cfg
 
 
 def _update(root, cfg, name, tag, **trainer):
     import torch
 
     from hacrl.agents.pool import load_agent
-    from hacrl.rl.update import train_learner
+    from hacrl.rl.step import train_learner
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
     lay = RunLayout(cfg.experiment.runs_dir)
@@ -231,7 +184,7 @@ def test_generation_within_a_kv_budget_gives_the_same_greedy_answers(pool):
     root, cfg = _iteration(pool, "grpo")
     ac = cfg.agents[0]
     agent = load_agent(ac, RunLayout(cfg.experiment.runs_dir).checkpoint(0, ac.name))
-    held = read_jsonl(pool / "data" / "tasks" / "heldout.jsonl")[:60]
+    held = read_jsonl(pool.root / "data" / "tasks" / "heldout.jsonl")[:60]
     eng = HFEngine(agent.model, agent.tokenizer, batch_size=64, max_batch_tokens=200)
     calls = eng.batches(sorted(len(agent.tokenizer(agent.render(p["problem"]))["input_ids"]) for p in held), 12)
     assert len(calls) > 1 and all(len(c) * 12 < 200 for c in calls)
@@ -277,7 +230,7 @@ def test_the_oracle_rows_train_through_the_update(pool):
     def gated(df):  # the first agent wrong on every other prompt, where its peer succeeds once
         first = df["producer"] == "gpt2-a"
         odd = df["prompt_id"].map(lambda p: sum(map(ord, p)) % 2 == 1)
-        return (~first & odd & (df["record_id"].str.endswith("/0"))).astype(float) + _fixed_rewards(df) * (first & ~odd)
+        return (~first & odd & (df["record_id"].str.endswith("/0"))).astype(float) + fixed_rewards(df) * (first & ~odd)
 
     sgt_root, sgt_cfg = _iteration(pool, "sgt", gated, "-gated")
     root, cfg = _iteration(pool, "sgt_oracle", gated, "-gated")

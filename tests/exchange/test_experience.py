@@ -8,14 +8,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import SMOKE, plain
 
 from hacrl.config.schema import StreamConfig
 from hacrl.errors import ConfigError
 from hacrl.exchange.experience import SCHEMA_VERSION, SCHEMAS, SchemaError, publish, read_records, select, write_records
 from hacrl.groups import pooled_reward_stats
 from hacrl.pipeline import params
-
-from conftest import SMOKE
 
 
 def rollout_df(producer: str, prompts=("p1", "p2"), g: int = 3) -> pd.DataFrame:
@@ -46,12 +45,6 @@ def test_written_shards_read_back_with_their_types(tmp_path):
     assert list(back["response_logprobs"].iloc[0]) == [-0.1, -0.2, -0.3]
     meta = pq.read_schema(tmp_path / "r.parquet").metadata
     assert meta[b"hacrl.schema"] == b"rollout" and int(meta[b"hacrl.schema_version"]) == SCHEMA_VERSION
-
-
-def plain(df: pd.DataFrame) -> list[dict]:
-    """Rows as plain Python values (Parquet gives list columns back as numpy arrays)."""
-    return [{k: (list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v) for k, v in r.items()}
-            for r in df.to_dict("records")]
 
 
 def _one_line(exc) -> str:

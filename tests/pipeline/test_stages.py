@@ -1,18 +1,14 @@
 """The stage functions in one process on a miniature config (real transformers, DeepSpeed,
 math-verify); the DVC path is tested in test_e2e_dvc.py."""
 
-import os
-
 import pytest
-from test_experience import plain
+from conftest import SMOKE, plain
 
 from hacrl.errors import NonFiniteLossError
 from hacrl.exchange.experience import read_records, write_records
 from hacrl.pipeline import params, table
 from hacrl.rl.rescues import RESCUED_FILE
 from hacrl.storage import RunLayout, read_json
-
-from conftest import SMOKE
 
 
 def smoke_config(tmp_path, extra=()):
@@ -23,20 +19,11 @@ def smoke_config(tmp_path, extra=()):
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    """Preparation + iteration 1 up to capability stats, in a scratch directory."""
-    tmp = tmp_path_factory.mktemp("pipe")
-    cwd = os.getcwd()
-    os.chdir(tmp)  # data/ is relative to the working directory, as under dvc
-    try:
-        cfg = smoke_config(tmp, ["algorithm=gspo"])
-        table.run("prepare-data", cfg)
-        table.run("prepare-pool", cfg)
-        for name in ("generate-rollouts", "verify-rewards", "exchange-and-align", "compute-capability-stats"):
-            table.run(name, cfg, 1)
-        yield cfg, tmp
-    finally:
-        os.chdir(cwd)
+def pipeline(workspaces):
+    """Preparation + iteration 1 up to capability stats (GSPO); the tests run where its data is."""
+    cfg = workspaces.iteration("stages-gspo", "algorithm=gspo")
+    with workspaces.inside() as root:  # data/ is relative to the working directory, as under dvc
+        yield cfg, root
 
 
 def test_rollout_records_carry_what_later_stages_need(pipeline):
@@ -65,7 +52,7 @@ def test_rollout_records_carry_what_later_stages_need(pipeline):
 
 def test_gspo_self_ratio_is_exactly_one_on_the_first_minibatch(pipeline, tmp_path):
     from hacrl.agents.pool import load_agent
-    from hacrl.rl.update import train_learner
+    from hacrl.rl.step import train_learner
 
     cfg, _ = pipeline
     lay = RunLayout(cfg.experiment.runs_dir)

@@ -1,16 +1,15 @@
 """`hacrl compare` at smoke size, for real: every contender of a suite runs (same pool, same
 prompts per seed) and the report is written with its primary contrast, tables, plots and claims.
-The protocol's bookkeeping and statistics without training: tests/test_protocol.py."""
+The protocol's bookkeeping and statistics without training: tests/study/test_protocol.py."""
 
 import subprocess
 import sys
 
 import pytest
+from conftest import SMOKE
 
 from hacrl.study.runstore import load_results
 from hacrl.study.suites import SUITES
-
-from conftest import SMOKE
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:
@@ -32,7 +32,7 @@ def readme_commands() -> list[str]:
 def markers() -> set[str]:
     """Commands that a test or the CI script says it runs (``# README: COMMAND``)."""
     found = set()
-    for f in [*ROOT.glob("tests/*.py"), ROOT / ".ci" / "run"]:
+    for f in [*ROOT.glob("tests/**/*.py"), ROOT / ".ci" / "run"]:
         found |= {m.strip() for m in re.findall(r"# README: (.+)$", f.read_text(), re.M)}
     return found
 
@@ -103,11 +103,11 @@ def test_the_readme_comparisons_are_valid_plans(tmp_path):
 
 
 def test_the_readme_mlflow_commands_list_the_experiment_and_its_runs(tmp_path):
+    from conftest import SMOKE
+
     from hacrl.ops.tracking import Tracker
     from hacrl.pipeline import params
     from hacrl.pipeline.result import StageResult
-
-    from conftest import SMOKE
 
     cfg = params.from_dict(params.compose([*SMOKE, "tracking.enabled=true"]))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

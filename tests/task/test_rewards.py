@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool, check,
+from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, WRONG, VerifierPool, verdict,
                                 fast_verdict, reward_of)
 
 
@@ -18,7 +18,7 @@ from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, W
     ("12\\%", "\\boxed{13\\%}", WRONG),
 ])
 def test_check_verdicts(gold, response, verdict):
-    assert check(gold, response) == verdict
+    assert verdict(gold, response) == verdict
 
 
 def test_rewards_are_binary_and_unparseable_gold_is_skipped():
@@ -37,12 +37,12 @@ def test_pool_verifies_in_order_and_dedupes():
 # answers one specific response. The real math-verify worker answers everything else.
 HANGING_WORKER = (
     "import sys, json, time\n"
-    "from hacrl.task.rewards import check\n"
+    "from hacrl.task.rewards import verdict\n"
     "for line in sys.stdin:\n"
     "    k, g, r = json.loads(line)\n"
     "    if r == 'HANG':\n"
     "        time.sleep(3600)\n"
-    "    sys.stdout.write(json.dumps([k, check(g, r)]) + '\\n'); sys.stdout.flush()\n"
+    "    sys.stdout.write(json.dumps([k, verdict(g, r)]) + '\\n'); sys.stdout.flush()\n"
 )
 
 
@@ -60,11 +60,11 @@ def test_a_hung_check_is_killed_not_waited_on():
 # ----------------------------------------------------------------------------- pipelined pool
 
 def _real_worker(trigger: str, action: str, ready_delay: float = 0.0, ready_file: str = "") -> str:
-    """A worker running the real ``check`` that does ``action`` on the response ``trigger``;
+    """A worker running the real ``verdict`` that does ``action`` on the response ``trigger``;
     it says it is ready ``ready_delay`` s after its imports (noting when in ``ready_file``)."""
     return (
         "import sys, json, os, time\n"
-        "from hacrl.task.rewards import check\n"
+        "from hacrl.task.rewards import verdict\n"
         "import math_verify\n"
         f"time.sleep({ready_delay})\n"
         f"if {ready_file!r}:\n"
@@ -74,7 +74,7 @@ def _real_worker(trigger: str, action: str, ready_delay: float = 0.0, ready_file
         "    k, g, r = json.loads(line)\n"
         f"    if r == {trigger!r}:\n"
         f"        {action}\n"
-        "    sys.stdout.write(json.dumps([k, check(g, r)]) + '\\n'); sys.stdout.flush()\n"
+        "    sys.stdout.write(json.dumps([k, verdict(g, r)]) + '\\n'); sys.stdout.flush()\n"
     )
 
 
@@ -122,7 +122,7 @@ def test_the_real_worker_announces_ready_and_the_pool_closes_at_once():
     pairs = [(str(i), f"\\boxed{{{i + i % 2}}}") for i in range(40)]
     with VerifierPool(2, 5.0, fast_path=False) as pool:
         assert pool.announces_ready
-        assert pool.verify(pairs) == [check(g, r) for g, r in pairs]
+        assert pool.verify(pairs) == [verdict(g, r) for g, r in pairs]
         assert pool.fast == 0 and len(pool.workers) == 2
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 1.0
@@ -145,7 +145,7 @@ def test_parsed_golds_are_reused_only_when_their_latex_converted():
     golds: dict = {}
     pairs = [("\\frac{1}{2}", "\\boxed{0.5}"), ("\\frac{1}{2}", "\\boxed{2}"), ("}{", "\\boxed{3}"),
              ("\\frac{", "\\boxed{3}"), ("\\frac{1}{2}", "1/2")]
-    assert [check(g, r, 5.0, golds) for g, r in pairs] == [check(g, r) for g, r in pairs]
+    assert [verdict(g, r, 5.0, golds) for g, r in pairs] == [verdict(g, r) for g, r in pairs]
     # "}{" parses to nothing and "\frac{" only to its fallback string: neither is kept
     assert list(golds) == ["\\frac{1}{2}"]
 
@@ -175,7 +175,7 @@ def test_the_fast_path_gives_math_verifys_verdict_on_every_pair_it_decides():
     assert all(v is not None for _, _, v in decided)
     assert {v for _, _, v in decided} == {CORRECT, WRONG}
     golds: dict = {}
-    assert [v for _, _, v in decided] == [check(g, r, 5.0, golds) for g, r, _ in decided]
+    assert [v for _, _, v in decided] == [verdict(g, r, 5.0, golds) for g, r, _ in decided]
 
 
 @pytest.mark.parametrize("gold, response", [
@@ -206,9 +206,9 @@ def test_math_verifys_own_timeouts_are_timeouts_and_a_gold_that_does_not_parse_i
     only in a warning; those checks are `timeout` (not `wrong`), in-process and in the workers.
     A gold answer with no LaTeX meaning is `gold_unparseable`, whose reward skips the sample."""
     tower = r"\boxed{9^{9^{9^{9}}}}"  # sympy cannot settle 5 == this within the 1 s alarm
-    assert check("5", tower, 1.0) == "timeout"
-    assert check("\\frac{", r"\boxed{5}", 1.0) == "gold_unparseable" and reward_of("gold_unparseable") is None
-    assert check("5", r"\boxed{5}", 1.0) == "correct" and check("5", r"\boxed{6}", 1.0) == "wrong"
+    assert verdict("5", tower, 1.0) == "timeout"
+    assert verdict("\\frac{", r"\boxed{5}", 1.0) == "gold_unparseable" and reward_of("gold_unparseable") is None
+    assert verdict("5", r"\boxed{5}", 1.0) == "correct" and verdict("5", r"\boxed{6}", 1.0) == "wrong"
     with VerifierPool(workers=1, timeout_s=1.0, fast_path=False) as pool:
         assert pool.verify([("5", tower), ("\\frac{", r"\boxed{5}"), ("5", r"\boxed{5}"), ("7", "no number")]) == \
             ["timeout", "gold_unparseable", "correct", "no_answer"]

@@ -87,7 +87,7 @@ def test_every_mlflow_url_the_project_prints_opens_the_machine_learning_view(tmp
     printed = [u for ln in lines for u in re.findall(r"http\S+", ln)]
     assert printed and all(u.endswith("?" + ML_VIEW) for u in printed), lines
     # no MLflow page is linked any other way: every route string is built by ui_link
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for f in [*root.glob("src/hacrl/**/*.py"), *root.glob("flows/*.py")]:
         for n, line in enumerate(f.read_text().splitlines(), 1):
             if re.search(r"#/|/experiments/|/models/", line) and "ui_link" not in line and "link(" not in line \

@@ -251,7 +251,7 @@ def test_a_gold_answer_with_trailing_punctuation_scores_the_right_answer_correct
 
     gold = sources.extract_answer(field, fmt)
     assert gold == "5"
-    assert rewards.check(gold, "\\boxed{5}") == "correct" and rewards.check(gold, "\\boxed{6}") == "wrong"
+    assert rewards.verdict(gold, "\\boxed{5}") == "correct" and rewards.verdict(gold, "\\boxed{6}") == "wrong"
     assert sources.extract_answer("5!", "raw") == "5!" and sources.extract_answer("3.5.", "raw") == "3.5"
 
 
@@ -307,3 +307,16 @@ def test_a_heldout_set_that_overlaps_train_is_refused_or_dropped_and_counted(tmp
     assert res.metrics["tasks/heldout"] == 17
     manifest = json.loads((tmp_path / RunLayout().tasks / "manifest.json").read_text())
     assert manifest["heldout_overlap_dropped"] == 3
+
+
+def test_the_schema_offers_exactly_the_formats_the_task_reads():
+    """``data.format`` and ``data.answer_format`` are named once each: the schema's choices are
+    the task's tables (plus ``auto``, which picks a reader by the path)."""
+    import dataclasses
+
+    from hacrl.config.schema import DataConfig
+    from hacrl.task.sources import ANSWER_FORMATS, READERS
+
+    rules = {f.name: f.metadata["rule"] for f in dataclasses.fields(DataConfig) if "rule" in f.metadata}
+    assert set(rules["format"].choices) == {"auto", *READERS}
+    assert set(rules["answer_format"].choices) == set(ANSWER_FORMATS)

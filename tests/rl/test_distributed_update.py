@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOKE, assert_same_figures
 from safetensors.torch import load_file
 
-from hacrl.exchange.experience import read_records, write_records
+from hacrl.exchange.experience import read_records
 from hacrl.pipeline import params, table
 from hacrl.rl.trainer import WORLD_FILE
 from hacrl.storage import RunLayout
-
-from conftest import SMOKE, assert_same_figures
 
 # fp32 sums in another order (each rank reduces half of a mini-batch) move the weights by a few
 # ulps per update; Adam's normalisation can turn that into a larger step on a coordinate whose
@@ -25,40 +24,29 @@ from conftest import SMOKE, assert_same_figures
 WEIGHT_TOL = 1e-5
 
 
+BASE = ["algorithm=hacpo", "trainer.mini_batch_prompts=4"]
+
+
 def cfg_for(root, extra=()):
-    data = params.compose(SMOKE + ["algorithm=hacpo", "trainer.mini_batch_prompts=4", *extra])
+    data = params.compose(SMOKE + [*BASE, *extra])
     data["experiment"]["runs_dir"] = str(root / "runs")
     data["experiment"]["reports_dir"] = str(root / "reports")
     return params.from_dict(data)
 
 
+def _spread(df):
+    """Verdicts with spread inside each prompt group (the tiny pool barely solves anything after
+    its short warm-up), so that the update moves the weights."""
+    i = [a.name for a in cfg_for(Path(".")).agents].index(df["producer"].iloc[0])  # a shard is one agent's
+    return [float((int(r.rsplit("/", 1)[1]) + j + i) % 3 == 0) for j, r in enumerate(df["record_id"])]
+
+
 @pytest.fixture(scope="module")
-def ready(tmp_path_factory):
+def ready(workspaces):
     """Preparation + iteration 1 up to capability stats (HACPO: own and cross rows, 2 sources)."""
-    tmp = tmp_path_factory.mktemp("dp")
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        cfg = cfg_for(tmp)
-        table.run("prepare-data", cfg)
-        table.run("prepare-pool", cfg)
-        table.run("generate-rollouts", cfg, 1)
-        table.run("verify-rewards", cfg, 1)
-        # the tiny pool barely solves anything after its short warm-up: set verdicts with spread
-        # inside each prompt group (as the verifier writes them) so that the update moves weights
-        lay = RunLayout(cfg.experiment.runs_dir)
-        for i, ac in enumerate(cfg.agents):
-            path = lay.rewards(1) / f"{ac.name}.parquet"
-            rw = read_records(path, "verdict")
-            good = [(int(r.record_id.rsplit("/", 1)[1]) + j + i) % 3 == 0 for j, r in enumerate(rw.itertuples())]
-            rw["verdict"] = ["correct" if g else "wrong" for g in good]
-            rw["reward"] = [1.0 if g else 0.0 for g in good]
-            write_records(path, rw, "verdict")
-        table.run("exchange-and-align", cfg, 1)
-        table.run("compute-capability-stats", cfg, 1)
-        yield tmp
-    finally:
-        os.chdir(cwd)
+    workspaces.iteration("dp", *BASE, rewards=_spread)
+    with workspaces.inside():
+        yield workspaces.root / "dp"
 
 
 _RUNS: dict = {}
@@ -144,7 +132,7 @@ def test_a_failing_rank_fails_the_stage_and_leaves_no_checkpoint(ready, tmp_path
     lay = RunLayout(cfg.experiment.runs_dir)
     # a damaged learner input: every rank fails reading it
     (lay.learner_input(1, cfg.agents[0].name)).write_bytes(b"not parquet")
-    from hacrl.pipeline.update_worker import WorkerFailed
+    from hacrl.pipeline.data_parallel import WorkerFailed
 
     with pytest.raises(WorkerFailed, match=r"update of .*: rank \d of 2 exited with"):
         table.run("update-policies", cfg, 1)
@@ -173,11 +161,11 @@ def test_mwra_runs_two_learners_at_once_on_two_cpu_shares_with_the_same_result(r
     """The planner puts the two learners' updates in one wave (disjoint cpu shares); the stage
     runs them at once, each as its own process with one of the two cores. Placement changes
     where and when, not what: the weights equal the one-at-a-time update's."""
-    from hacrl.pipeline.common import resource_plan
+    from hacrl.resources import plan_for
 
     cfg1, s1 = run_update(ready, [])
     cfg, s = run_update(ready, [SHARES])
-    waves = [[j.agent for j in w.jobs] for w in resource_plan(cfg).waves if w.stage == "update"]
+    waves = [[j.agent for j in w.jobs] for w in plan_for(cfg).waves if w.stage == "update"]
     together = [a.name for a in cfg.agents]
     assert waves == [together], waves
     for ac in cfg.agents:

@@ -1,4 +1,4 @@
-"""The comparison protocol without training (the runs are stand-ins; tests/test_compare.py runs
+"""The comparison protocol without training (the runs are stand-ins; tests/study/test_compare.py runs
 real suites): suites declare their primary contrast; every contender composes; claims are paired
 t tests, Holm-corrected, equivalence by TOST; the dev sweep chooses on dev with disjoint seeds;
 warm-up pools vary with the seed; plots draw at most six distinguishable curves."""

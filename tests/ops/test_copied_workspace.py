@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import SMOKE
+
 from hacrl.pipeline import params
 from hacrl.pipeline.result import StageResult
 
-from conftest import SMOKE
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_copied_workspace_does_not_log_into_the_original(tmp_path, monkeypatch):

@@ -174,7 +174,7 @@ def test_a_toy_out_of_process_engine_generates_like_the_in_process_one(toy_row, 
 
 def test_the_engine_host_keeps_a_toy_worker_and_stops_it_on_a_release(toy_row, workspaces):
     from hacrl.pipeline import table
-    from hacrl.pipeline.engines import serve_from_host
+    from hacrl.pipeline.stage_engines import serve_from_host
     from hacrl.rollout import engine_host
 
     cfg = workspaces.iteration("toy-hosted", f"rollout.engine={TOY}", until="generate-rollouts")
@@ -189,7 +189,7 @@ def test_the_engine_host_keeps_a_toy_worker_and_stops_it_on_a_release(toy_row, w
                 assert second[a.name]["engine_reused"] == 1  # the same checkpoint: the same worker
             assert {e["engine"] for e in host["engines"]} == {TOY} and len(host["engines"]) == len(cfg.agents)
             # a release that frees the device stops the host's worker, not only the session
-            from hacrl.pipeline.engines import StageEngines
+            from hacrl.pipeline.stage_engines import StageEngines
             from hacrl.resources import Release
 
             with StageEngines(cfg) as engines:
