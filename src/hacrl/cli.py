@@ -246,7 +246,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     contenders = args.contenders.split(",") if args.contenders else None
     out = run_suite(args.suite, args.seeds, args.overrides, args.work_dir, args.reports_dir, contenders, args.setting,
                     resume=args.resume, dry_run=args.dry_run, tune=args.tune, tune_seeds=args.tune_seeds,
-                    warmups=args.warmups)
+                    warmups=args.warmups, tune_per_agent=args.tune_per_agent, no_gate=args.no_gate)
     print(out if args.dry_run else f"report: {out / 'README.md'}")
     return 0
 
@@ -318,6 +318,30 @@ def cmd_resources(args: argparse.Namespace) -> int:
     cfg = params.from_dict(params.compose(args.overrides)) if args.overrides else params.load(args.params)
     p = plan(cfg.resources, [a.name for a in cfg.agents])
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.describe())
+    return 0
+
+
+def cmd_agreement(args: argparse.Namespace) -> int:
+    from hacrl.errors import ConfigError
+    from hacrl.pipeline import params
+    from hacrl.study import agreement
+    from hacrl.study.compare import measure_agreement
+
+    if args.runs_dir:  # a workspace's pool at any iteration (its data/ in the working directory)
+        d = params.compose(args.overrides)
+        d["experiment"]["runs_dir"] = args.runs_dir
+        cfg = params.from_dict(d)
+        res = agreement.measure(cfg, args.iteration, args.prompts, args.samples)
+    else:
+        if args.iteration != 0:
+            raise ConfigError("--iteration: a prepared pool holds iteration 0 only; give --runs-dir for a later one")
+        cfg = params.from_dict(params.compose(args.overrides))
+        res = measure_agreement(list(args.overrides), Path(args.work_dir).resolve(), args.prompts, args.samples)
+    out = Path(args.out or Path(args.work_dir) / f"agreement-it{args.iteration}")
+    files = agreement.write(res, out)
+    print(agreement.table(res))
+    run = agreement.log_to_mlflow(cfg, res, files, Path.cwd())
+    print(f"\nwrote {', '.join(str(f) for f in files)}" + (f"; MLflow run {run}" if run else ""))
     return 0
 
 
@@ -467,6 +491,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="choose this setting per contender on the dev split first (repeat for a grid), "
                          "e.g. --tune trainer.lr=1e-4,3e-4,5e-4")
     cp.add_argument("--tune-seeds", type=int, default=2, help="seeds of the dev sweep (1000, 1001, ...)")
+    cp.add_argument("--tune-per-agent", action="store_true",
+                    help="each agent takes the swept value of its own best dev accuracy, as its own setting "
+                         "(agents.<name>.trainer.*; e.g. one lr per model)")
+    cp.add_argument("--no-gate", action="store_true",
+                    help="run a setting whose pool fails its agreement gate anyway (the report's first line says so)")
     cp.add_argument("--warmups", type=int, default=1,
                     help="warm-up pools: seed s starts from pool s mod WARMUPS (pool w > 0: experiment.pool_seed=w)")
     cp.add_argument("overrides", nargs="*", help="Hydra overrides applied to every contender")
@@ -501,6 +530,17 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--params", default=None, help=PARAMS_HELP)
     rs.add_argument("--json", action="store_true", help="print the plan as JSON")
     rs.set_defaults(fn=cmd_resources)
+    ag = sub.add_parser("agreement", help="how far the pool's agents agree on each other's text, before training: "
+                                          "cross ratios, per-token gap, the share inside each sharing window")
+    ag.add_argument("--iteration", type=int, default=0, help="the pool's checkpoints at this iteration (default 0)")
+    ag.add_argument("--prompts", type=int, default=32, help="dev prompts (never held-out; default 32)")
+    ag.add_argument("--samples", type=int, default=None, help="samples per prompt and agent (default: the config's G)")
+    ag.add_argument("--runs-dir", default=None,
+                    help="an experiment's runs directory to read the pool from (default: prepare it in --work-dir)")
+    ag.add_argument("--work-dir", default="agreement", help="where the pool is prepared (once) and the figures go")
+    ag.add_argument("--out", default=None, help="where agreement.json, .md and the histograms go")
+    ag.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. agents=pretrained_pair experiment=pretrained_pair)")
+    ag.set_defaults(fn=cmd_agreement)
     sh = sub.add_parser("sharing", help="how well a run's agents share: THL residuals and cross ratios per pair, "
                                          "held-out accuracy per iteration (Markdown)")
     sh.add_argument("--runs-dir", default="runs", help="the run's runs/ directory (default: runs)")

@@ -339,3 +339,21 @@ def test_cross_weight_removes_only_the_gradient_from_peers_samples():
     assert torch.equal(none[is_self], full[is_self]) and full[~is_self].abs().sum() > 0
     assert torch.count_nonzero(none[~is_self]) == 0
     assert torch.allclose(half[~is_self], 0.5 * full[~is_self]) and torch.equal(half[is_self], full[is_self])
+
+
+def test_the_cross_share_of_the_objective_follows_the_aggregation():
+    """``pooled_mean`` weighs every sample 1/B; ``split`` (mean(self) + mean(cross)) weighs a
+    sample 1 / its side's rows: the cross share of |objective| and the per-sample terms say so."""
+    new = torch.tensor([0.0, 0.0, 0.0, math.log(0.9)])  # three own samples (ratio 1), one cross inside the window
+    old = torch.zeros(4)
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    is_self = torch.tensor([True, True, True, False])
+    terms = {"self": 3 * 1.0, "cross": 0.9 * 0.9}  # |s A| per own sample, |c sg[c] A| for the cross one
+    _, pooled = _loss(new, old, adv, is_self, torch.ones(4))
+    _, split = _loss(new, old, adv, is_self, torch.ones(4), aggregation="split")
+    assert float(pooled["cross_objective_share"]) == pytest.approx(terms["cross"] / (terms["self"] + terms["cross"]))
+    want = terms["cross"] / 1 / (terms["self"] / 3 + terms["cross"] / 1)
+    assert float(split["cross_objective_share"]) == pytest.approx(want)
+    # the per-sample terms weighted 1/B by the trainer give the same share
+    t = split["samples"]["term"].abs() / 4
+    assert float(t[3] / t.sum()) == pytest.approx(want)

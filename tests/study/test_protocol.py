@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hacrl.errors import DataError
+from hacrl.errors import ConfigError, DataError
 from hacrl.study import compare
 from hacrl.study.claims import auc, findings, paired_diffs, primary, primary_line
 from hacrl.study.report import MAX_LINES, STYLES, _train_figures, plot_groups
@@ -48,6 +48,13 @@ def test_every_contender_of_every_setting_composes_and_the_primary_is_declared(s
     p = st["primary"]
     assert {p["better"], p["worse"]} <= set(st["contenders"]) and p["endpoint"] in ("auc", "final")
     assert set(st["plot"]) <= set(SUITES[suite]["all"]) and len(st["plot"]) <= MAX_LINES
+
+
+@pytest.fixture(autouse=True)
+def _no_gate(monkeypatch):
+    """The runs here are stand-ins: no pool is prepared, so no agreement gate is measured (the
+    gate is tested for real in test_agreement.py)."""
+    monkeypatch.setattr(compare, "check_gate", lambda *a, **k: None)
 
 
 def run(contender, seed, curves, entropy=None, kl=None, per_iter=8):
@@ -403,3 +410,36 @@ def test_the_training_cell_shows_the_on_policy_kl_not_the_loss_term():
     assert "KL to init 0.4800" in both and "7300000" not in both
     # a run that measured only the loss's term says so
     assert "KL term 0.0100" in _train_figures({"train": {"kl_to_init": 0.01}}, "a")
+
+
+def test_a_per_agent_sweep_gives_each_agent_the_value_of_its_own_best_dev_accuracy(tmp_path, monkeypatch):
+    """``--tune-per-agent``: one lr does not suit two models; each agent takes its own best as its
+    own setting (``agents.<name>.trainer.lr``), from the same dev runs."""
+    ran = []
+
+    def fake_run(name, overrides, seed, out, warmup=0):
+        ran.append((name, seed, overrides))
+        lr = next((o.split("=")[1] for o in overrides if o.startswith("trainer.lr=")), None)
+        # on dev the small model likes 3e-4, the large one 1e-4
+        a, b = (0.3, 0.1) if lr == "3e-4" else (0.1, 0.3)
+        return {"contender": name, "seed": seed, "algorithm": name, "warmup": warmup, "seconds": 1.0,
+                "rollouts_per_agent_per_iteration": 8,
+                "agents": {n: {"eval_accuracy": [0.1, v, v], "rollouts": [0, 8, 16], "train": [{"updates": 2}]}
+                           for n, v in (("qwen2-small", a), ("qwen2-large", b))}}
+
+    monkeypatch.setattr(compare, "prepare_base", lambda overrides, out, warmup=0: None)
+    monkeypatch.setattr(compare, "run_contender", fake_run)
+    compare.run_suite("hacpo", 1, work_dir=tmp_path / "w", reports_dir=tmp_path / "r", setting="shared_tok",
+                      contenders=["gspo", "hacpo_cw0"], tune=["trainer.lr=1e-4,3e-4"], tune_seeds=1,
+                      tune_per_agent=True)
+    res = load_results(tmp_path / "r" / "hacpo" / "shared_tok")
+    assert res["tuning"]["per_agent"]["gspo"] == {"qwen2-small": "trainer.lr=3e-4", "qwen2-large": "trainer.lr=1e-4"}
+    reported = [r for r in ran if not r[0].startswith("tune/")]
+    for name, _, ovr in reported:
+        assert "agents.qwen2-small.trainer.lr=3e-4" in ovr and "agents.qwen2-large.trainer.lr=1e-4" in ovr, ovr
+    readme = (tmp_path / "r" / "hacpo" / "shared_tok" / "README.md").read_text()
+    assert "Per agent" in readme and "| gspo | qwen2-large |" in readme
+    # a setting no agent has on its own is refused before anything runs
+    with pytest.raises(ConfigError, match=r"^--tune-per-agent: trainer.epochs is not a per-agent setting"):
+        compare.run_suite("hacpo", 1, work_dir=tmp_path / "w2", reports_dir=tmp_path / "r2", setting="shared_tok",
+                          tune=["trainer.epochs=1,2"], tune_per_agent=True, dry_run=True)

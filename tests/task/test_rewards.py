@@ -6,7 +6,7 @@ from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, W
                                 fast_verdict, reward_of)
 
 
-@pytest.mark.parametrize("gold, response, verdict", [
+@pytest.mark.parametrize("gold, response, expected", [
     ("82", "Q: ... A: \\boxed{82}", CORRECT),
     ("82", "\\boxed{83}", WRONG),
     ("\\frac{1}{2}", "\\boxed{0.5}", CORRECT),
@@ -17,8 +17,8 @@ from hacrl.task.rewards import (CORRECT, GOLD_UNPARSEABLE, NO_ANSWER, TIMEOUT, W
     ("12\\%", "\\boxed{12\\%}", CORRECT),  # a text gold keeps math-verify's string comparison
     ("12\\%", "\\boxed{13\\%}", WRONG),
 ])
-def test_check_verdicts(gold, response, verdict):
-    assert verdict(gold, response) == verdict
+def test_verdicts(gold, response, expected):
+    assert verdict(gold, response) == expected
 
 
 def test_rewards_are_binary_and_unparseable_gold_is_skipped():

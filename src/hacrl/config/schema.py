@@ -243,6 +243,23 @@ class WarmupConfig(Settings):
 
 
 @dataclass
+class AgentTrainerConfig(Settings):
+    """What a user sets per model (``agents.<name>.trainer.*``), over ``trainer.*``: a 270M model
+    and a 135M one rarely want the same step. Unset (null): the pool's ``trainer`` value."""
+
+    lr: float | None = setting(None, gt=0, le=1.0)
+    lr_warmup_updates: int | None = setting(None, ge=0, le=10**8)
+    weight_decay: float | None = setting(None, ge=0, le=10.0)
+    grad_clip: float | None = setting(None, gt=0, le=1e6)
+    micro_batch_tokens: int | None = setting(None, ge=0, le=10**9)
+    micro_batch_samples: int | None = setting(None, ge=0, le=10**8)
+
+    def given(self) -> dict[str, Any]:
+        """The settings this agent sets (the others follow ``trainer``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class AgentConfig(Settings):
     """One agent of the pool: an embedded model built from a transformers config, or a real one
     given by path (or fetched offline)."""
@@ -271,6 +288,8 @@ class AgentConfig(Settings):
     template, followed by the opened assistant turn (``apply_chat_template`` with
     ``add_generation_prompt``)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    trainer: AgentTrainerConfig = field(default_factory=AgentTrainerConfig)
+    """This agent's own RL update settings (lr, warm-up, weight decay, grad clip, memory budget)."""
 
     @property
     def tokenizer_id(self) -> str:
@@ -364,6 +383,17 @@ class AlgorithmConfig(Settings):
     pooled reward statistics). Streams may not overlap."""
     kl_coef: float = setting(0.0, ge=0, le=100.0)
     """beta of the low-variance KL (k3) to the initial model, on the learner's own samples; 0: off."""
+    kl_clamp: float | None = setting(10.0, gt=0, le=1e6, why="the clamp of each token's KL value; null turns it off")
+    """Clamp of the k3 term as verl's ``low_var_kl``: each token's log-ratio to ``[-2c, 2c]`` and its
+    value to ``[-c, c]`` (verl: 20 and 10); null: unclamped (the runs kept before it existed). A
+    policy far from the initial model otherwise lets single tokens dominate the term (seen: a
+    step's mean of 7e6 nats where the on-policy KL stayed under 2)."""
+    norm_match: bool = False
+    """The norm-matched control of a sharing loss (``hacpo_normmatch``): each update's gradient from
+    peers' samples is replaced by a step of the same norm along the learner's own samples' gradient
+    (of the update's own rows, or, in an update of peers' samples only, of the own block's
+    mini-batch at the same place). Separates how big a step sharing adds from where it points.
+    Needs a loss that can drop its cross terms (HACPO) and ``trainer.world_size`` 1."""
     sample_multiplier: int = setting(1, ge=1, le=64)
     """Samples per prompt = rollout.group_size * this (GSPO x2 uses 2)."""
     minibatch_order: str = setting("prompt_groups", choices=MINIBATCH_ORDERS)
@@ -451,7 +481,8 @@ class TrainerConfig(Settings):
     """Also measure KL(pi_old || pi_0), the policy that generated the step's rollouts against the
     initial model (k3 on the learner's own samples, which pi_old drew), when the loss has no KL
     term (``algorithm.kl_coef`` 0); it costs one forward of the initial model per mini-batch.
-    Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender."""
+    Reported as ``kl_init_before_step``; the comparison suites switch it on for every contender.
+    A measurement, never clamped (``algorithm.kl_clamp`` bounds the loss's term, ``kl_to_init``)."""
     micro_batch_tokens: int = setting(0, ge=0, le=10**9)
     """What one forward (with its backward) holds, in padded tokens (rows x the longest row's prompt +
     response); 0: no limit. A mini-batch (one optimizer update: what the algorithm and the update
@@ -470,6 +501,12 @@ class TrainerConfig(Settings):
     (transformers' ``activation_checkpointing_enable``, non-reentrant): the training forward's
     activation memory drops from every layer's to one layer's plus the layer inputs, for about a
     third more compute. The no-grad passes never keep activations anyway."""
+    skip_empty_updates: bool = False
+    """Skip the optimizer step of an update whose gradient is exactly zero (every sample clipped
+    out of its window, e.g. a block of peers' samples no cross ratio reaches): no AdamW step, so
+    neither momentum nor weight decay moves the weights, and the lr warm-up does not advance. Off:
+    the reference trainer's behaviour (it steps anyway). Either way the step reports
+    ``empty_updates`` (absent: none) and, when on, ``skipped_updates``."""
     world_size: int = setting(1, ge=1, le=4096)
     """Processes per learner update (DeepSpeed data parallelism, gloo on the CPU, NCCL on GPUs):
     each rank takes whole prompt groups of every mini-batch and the gradients are averaged, so
@@ -692,6 +729,14 @@ class Config(Settings):
     @property
     def samples_per_prompt(self) -> int:
         return self.rollout.group_size * self.algorithm.sample_multiplier
+
+    def trainer_of(self, name: str) -> TrainerConfig:
+        """The update settings of agent ``name``: ``trainer`` with the agent's own over it."""
+        return dataclasses.replace(self.trainer, **self.agent(name).trainer.given())
+
+    def for_learner(self, name: str) -> Config:
+        """This config as agent ``name``'s update reads it (its own trainer settings applied)."""
+        return dataclasses.replace(self, trainer=self.trainer_of(name))
 
     @property
     def layout(self) -> RunLayout:

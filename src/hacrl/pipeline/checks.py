@@ -101,6 +101,11 @@ def _algorithm(cfg: Config) -> None:
     a = cfg.algorithm
     a.advantage = algorithms.build_options(algorithms.ADVANTAGES, a.advantage, "algorithm.advantage")
     a.loss = algorithms.build_options(algorithms.LOSSES, a.loss, "algorithm.loss")
+    if a.norm_match:
+        require(algorithms.LOSSES[a.loss.name].own_only is not None, "algorithm.norm_match", a.norm_match,
+                f"the {a.loss.name} loss cannot drop its peers' terms (a loss registered with own_only: hacpo)")
+        require(cfg.trainer.world_size == 1, "algorithm.norm_match", a.norm_match,
+                "the norms are of the whole mini-batch's gradients: trainer.world_size 1")
     layouts = algorithms.LOSSES[a.loss.name].layouts
     if layouts is not None:
         require(a.minibatch_order in layouts, "algorithm.minibatch_order", a.minibatch_order,

@@ -17,7 +17,9 @@ from hacrl.storage import read_json
 def update_agent(cfg: Config, t: int, name: str, ckpt_out: Path, state_out: Path) -> dict:
     """One learner's update of iteration ``t``: its new HF checkpoint into ``ckpt_out`` (rank 0
     writes it) and its recovery state into ``state_out``; returns the update's figures. Runs in
-    the stage's process, or in each rank of a multi-process update (:mod:`hacrl.pipeline.data_parallel`)."""
+    the stage's process, or in each rank of a multi-process update (:mod:`hacrl.pipeline.data_parallel`).
+    The learner's own trainer settings (``agents.<name>.trainer``) apply."""
+    cfg = cfg.for_learner(name)
     lay = cfg.layout
     ac = cfg.agent(name)
     agent = load_agent(ac, lay.checkpoint(t - 1, name), cfg.trainer.dtype)

@@ -262,13 +262,18 @@ def _agent_field(ov: str) -> bool:
     import re
     import typing
 
-    m = re.match(r"^agents\.pool\.\d+\.([^=]+)=", ov)
+    m = re.match(r"^agents\.pool\.(\d+)\.([^=]+)=", ov)
     if not m:
         return False
     cls: Any = AgentConfig
-    for part in m.group(1).split("."):
-        if not dataclasses.is_dataclass(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+    parts = m.group(2).split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
             return False
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            where = ".".join([f"agents[{m.group(1)}]", *parts[:i]])
+            raise ConfigError(f"agents[{m.group(1)}].{m.group(2)}: unknown key ({where} has: {', '.join(names)})")
         cls = typing.get_type_hints(cls)[part]
     return True
 

@@ -65,6 +65,10 @@ class Registered:
     between any ``rows``, or between whole prompt ``groups`` only (a loss that reads a group)."""
     hooks: StepHooks | None = None
     """What the loss adds to a learner's step besides its loss (see :class:`StepHooks`)."""
+    own_only: Callable | None = None
+    """``own_only(opts) -> opts``: the options under which the loss keeps its own samples' terms
+    and drops the peers' (their rows stay in the mean's count): what the norm-matched control
+    (``algorithm.norm_match``) needs to tell the two gradients apart; None: it cannot."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ LOSS_LEVELS = ("token", "sequence")
 
 def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
               needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None,
-              hooks: StepHooks | None = None, split: str = "rows"):
+              hooks: StepHooks | None = None, split: str = "rows", own_only: Callable | None = None):
     if split not in ("rows", "groups"):
         raise ValueError(f"{name}: split must be rows or groups")
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
@@ -103,7 +107,7 @@ def _register(table: dict[str, Registered], name: str, options: type, level: str
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, split, hooks)
+        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, split, hooks, own_only)
         return fn
     return deco
 
@@ -115,12 +119,14 @@ def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
 
 
 def register_loss(name: str, options: type, level: str, rows: Callable | None = None,
-                  layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None, split: str = "rows"):
+                  layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None, split: str = "rows",
+                  own_only: Callable | None = None):
     """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence;
-    ``rows``, ``layouts``, ``split`` and ``hooks``: see :class:`Registered`."""
+    ``rows``, ``layouts``, ``split``, ``hooks`` and ``own_only``: see :class:`Registered`."""
     if level not in LOSS_LEVELS:
         raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
-    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks, split=split)
+    return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks, split=split,
+                     own_only=own_only)
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
@@ -385,13 +391,20 @@ def xgrpo_advantage(inp: AdvantageInputs, opts: XgrpoAdvantageOptions) -> torch.
     return (inp.rewards.float() - inp.pool_mean) / (std + opts.eps)
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, shard: Shard | None = None) -> torch.Tensor:
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, shard: Shard | None = None,
+          clamp: float | None = None) -> torch.Tensor:
     """Low-variance KL estimator ``exp(r) - r - 1`` with ``r = ref - logp``, token mean per
     sequence, then mean over the sequences the mask selects (a row without any masked token,
-    e.g. a cross sample, neither counts nor dilutes the mean)."""
+    e.g. a cross sample, neither counts nor dilutes the mean). ``clamp`` c (verl's
+    ``low_var_kl``: 10): ``r`` clamped to ``[-2c, 2c]``, each token's value to ``[-c, c]``."""
     r = ref_logp - logp
+    if clamp is not None:
+        r = r.clamp(-2 * clamp, 2 * clamp)
+    k = torch.exp(r) - r - 1
+    if clamp is not None:
+        k = k.clamp(-clamp, clamp)
     rows = mask.sum(1) > 0
-    per_seq = masked_mean(torch.exp(r) - r - 1, mask, dim=1)
+    per_seq = masked_mean(k, mask, dim=1)
     return row_mean(per_seq, rows, shard)
 
 
@@ -500,7 +513,8 @@ def stepwise_lower_bound(update_index: int, delta: float, delta_step: float) -> 
     return min(1.0, 1.0 - delta + update_index * delta_step)
 
 
-@register_loss("hacpo", HacpoLossOptions, level="sequence")
+@register_loss("hacpo", HacpoLossOptions, level="sequence",
+               own_only=lambda opts: dataclasses.replace(opts, cross_weight=0.0))
 def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     """HACPO loss of one mini-batch of learner k, one ratio per sample.
 
@@ -534,6 +548,12 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     else:
         loss = -row_mean(per, shard=inp.shard)
     with torch.no_grad():
+        # each sample's term as the trainer weighs it (1 / the mini-batch's rows): ``split`` means
+        # each side over its own rows, so a sample's term is scaled by rows / its side's rows
+        term = per
+        if opts.aggregation == "split":
+            n, n_self, n_cross = (count(x, inp.shard) for x in (len(per), is_self.sum(), cross.sum()))
+            term = per * torch.where(is_self, n / max(1, n_self), n / max(1, n_cross))
         metrics = {
             "cross_share": fig.mean(cross.float()),
             "cross_lower_bound": fig.same(lower),
@@ -545,8 +565,8 @@ def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
             "ratio_mean": fig.mean(s, is_self),
             "clip_frac": fig.mean(outside_clip(s, opts), is_self),
             # the share of this update's |objective| that cross samples carry
-            "cross_objective_share": fig.ratio(per[cross].abs().sum(), per.abs().sum(), empty=0.0),
-            "samples": {"ratio": s.detach(), "term": per.detach(),
+            "cross_objective_share": fig.ratio(term[cross].abs().sum(), term.abs().sum(), empty=0.0),
+            "samples": {"ratio": s.detach(), "term": term.detach(),
                         "active": torch.where(is_self, clip_active(s, a, 1 - opts.clip_low, 1 + opts.clip_high),
                                               ((s >= lower) & (s <= 1.0)).float() if opts.cross_clip
                                               else torch.ones_like(s)),

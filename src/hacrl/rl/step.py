@@ -35,6 +35,7 @@ from hacrl.agents.scoring import pack, response_span, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.groups import pooled_reward_stats
 from hacrl.rl import figures as fig
+from hacrl.rl import norm_match
 from hacrl.rl.algorithms import ADVANTAGES, LOSSES, AdvantageInputs, LossInputs, Shard, kl_k3, masked_mean
 from hacrl.rl.layout import layout, rank_rows, update_order
 from hacrl.rl.micro import Recorder, Replay
@@ -180,7 +181,9 @@ def cut_minibatches(batch: pd.DataFrame, mbs: list[np.ndarray], groups: np.ndarr
 
 def add_phantoms(packed: list[list[Micro]], name: str) -> None:
     """Every rank takes as many micro-batches per update (ZeRO 2 reduces at each): a rank with
-    fewer runs phantom ones (its smallest again, weighted 0). A collective."""
+    fewer runs phantom ones (its smallest again, weighted 0). A collective, which every rank calls
+    whether or not its own share was cut: then every rank sees the same counts (a cut update on
+    one rank is a cut update on all), and takes the same branches with the same collectives."""
     need = [int(x) for x in _all_max([len(mb) for mb in packed])]
     phantoms = sum(n - len(mb) for mb, n in zip(packed, need))
     for mb, n in zip(packed, need):
@@ -206,7 +209,7 @@ def plan_step(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, omega: 
     mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in full]
     groups = inputs.group_ids.numpy() if loss_reg.split == "groups" else None
     packed = cut_minibatches(batch, mbs, groups, cfg, agent.tokenizer.pad_token_id, agent.name)
-    if world_size > 1 and any(len(mb) > 1 for mb in packed):
+    if world_size > 1:  # every rank, cut or not: the ranks agree on each update's micro-batch count
         add_phantoms(packed, agent.name)
     return StepPlan(
         batch=batch, offered=offered, inputs=inputs, advantages=ADVANTAGES[a.advantage.name].fn(inputs, a.advantage),
@@ -306,11 +309,12 @@ def kl_old_to_ref(plan: StepPlan, old: OldPolicy) -> float | None:
 # ----------------------------------------------------------------------------- 3. one update
 
 def objective(plan: StepPlan, m: int, k: int, logp: torch.Tensor, old: OldPolicy, cfg: Config, update_index: int,
-              counts: Shard | None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+              counts: Shard | None, loss_opts=None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
     """Micro-batch k of mini-batch m: the registered loss, plus the KL term on the learner's own
     samples where the mini-batch holds any (an update of cross samples only has none).
     ``counts``: where the loss's means take their counts (None: this micro-batch is the whole
-    mini-batch in this process)."""
+    mini-batch in this process); ``loss_opts``: other options of the same loss (the norm-matched
+    control's own-only ones)."""
     a = cfg.algorithm
     mi = plan.minibatches[m][k]
     idx, inp = mi.idx, plan.inputs
@@ -319,10 +323,10 @@ def objective(plan: StepPlan, m: int, k: int, logp: torch.Tensor, old: OldPolicy
                    is_self=inp.is_self[idx], omega_src=plan.omega_src[idx], behavior_logp=mi.behavior,
                    behavior_logp_mean=plan.behavior_mean[idx], update_index=update_index, rewards=inp.rewards[idx],
                    group_ids=inp.group_ids[idx], verified=inp.verified[idx], choice_key=plan.choice_key[idx],
-                   shard=counts), a.loss)
+                   shard=counts), loss_opts if loss_opts is not None else a.loss)
     kl = None
     if old.ref is not None and a.kl_coef > 0 and plan.own_rows[m] > 0:
-        kl = kl_k3(logp, old.ref[m][k], mi.resp * inp.is_self[idx][:, None], counts)
+        kl = kl_k3(logp, old.ref[m][k], mi.resp * inp.is_self[idx][:, None], counts, a.kl_clamp)
         loss = loss + a.kl_coef * kl
     return loss, met, kl
 
@@ -340,37 +344,84 @@ def minibatch_counts(plan: StepPlan, m: int, old: OldPolicy, cfg: Config, update
     return micro_totals(recorded, plan.shard)
 
 
+def norm_matched(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, cfg: Config,
+                 update_index: int) -> tuple[float, int, object, dict]:
+    """The norm-matched control's update m (:mod:`hacrl.rl.norm_match`): ``(c, p, own-only
+    options, figures)``, the gradients measured at the update's weights, before it steps."""
+    own_opts = LOSSES[cfg.algorithm.loss.name].own_only(cfg.algorithm.loss)
+    params = [q for q in opt.module.parameters() if q.requires_grad]
+    p = norm_match.partner(plan.own_rows, m)
+    cross = [torch.zeros_like(q) for q in params]
+    own = {b: [torch.zeros_like(q) for q in params] for b in dict.fromkeys((m, p))}
+    for b in own:
+        mb = plan.minibatches[b]
+        totals = minibatch_counts(plan, b, old, cfg, update_index) if len(mb) > 1 else None
+        for k, mi in enumerate(mb):
+            # the bare module: its gradients are read, not accumulated (DeepSpeed's engine refuses that)
+            logp = forward(opt.module, mi, cfg)
+            if old.logp[b][k] is None:  # the step's first forward: it is pi_old
+                old.take(b, k, mi, logp.detach(), plan.inputs.is_self)
+
+            def counts():
+                return plan.shard if totals is None else Replay(plan.world_size, totals=totals)
+
+            if b == m:  # g_cross = g(loss) - g(loss without its cross terms)
+                g_full = norm_match.grads(objective(plan, b, k, logp, old, cfg, update_index, counts())[0], params,
+                                          retain=True)
+                g_own = norm_match.grads(objective(plan, b, k, logp, old, cfg, update_index, counts(), own_opts)[0],
+                                         params)
+                cross = [a + f - o for a, f, o in zip(cross, g_full, g_own)]
+            else:
+                g_own = norm_match.grads(objective(plan, b, k, logp, old, cfg, update_index, counts(), own_opts)[0],
+                                         params)
+            own[b] = [a + o for a, o in zip(own[b], g_own)]
+    c, figures = norm_match.scale_of(cross, own[p])
+    return c, p, own_opts, figures
+
+
 def run_update(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, cfg: Config,
                update_index: int) -> tuple[dict[str, fig.Part], list]:
     """One optimizer update on mini-batch ``m``: one forward and backward per micro-batch (each
     loss its share of the mini-batch's), then the clipped step. Returns the update's figures,
-    merged over its micro-batches (this rank's), and the loss's per-sample outputs."""
-    mb = plan.minibatches[m]
-    counts = plan.shard if len(mb) == 1 else None
-    totals = minibatch_counts(plan, m, old, cfg, update_index) if len(mb) > 1 else None
+    merged over its micro-batches (this rank's), and the loss's per-sample outputs.
+
+    The norm-matched control (``algorithm.norm_match``, :mod:`hacrl.rl.norm_match`) trains on the
+    own-only loss of m and, weighted ``c``, that of its partner mini-batch p (when p is m: on
+    ``1 + c`` times m's); its figures are m's."""
+    passes: list[tuple[int, float, object]] = [(m, 1.0, None)]
+    extra: dict = {}
+    if cfg.algorithm.norm_match:
+        c, p, own_opts, nm = norm_matched(opt, plan, m, old, cfg, update_index)
+        passes = [(m, 1.0 + c, own_opts)] if p == m else [(m, 1.0, own_opts), *([(p, c, own_opts)] if c > 0 else [])]
+        extra = {k: fig.same(v) for k, v in nm.items()}
     parts, samples, gn = [], [], None
-    for k, mi in enumerate(mb):
-        logp, ent = forward(opt.model, mi, cfg, with_entropy=True)
-        if old.logp[m][k] is None:  # the first mini-batch, before any update: this forward is pi_old
-            old.take(m, k, mi, logp.detach(), plan.inputs.is_self)
-        loss, met, kl = objective(plan, m, k, logp, old, cfg, update_index,
-                                  counts if totals is None else Replay(plan.world_size, totals=totals))
-        gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=k == len(mb) - 1)
-        if mi.phantom:
-            continue
-        per_sample = met.pop("samples", None)
-        if per_sample is not None:
-            samples.append((mi.idx, per_sample))
-        # the policy's entropy on its own samples (a peer's text says little about the learner's)
-        own_tok = mi.resp * plan.inputs.is_self[mi.idx][:, None]
-        parts.append({"loss": fig.share(loss), "entropy": fig.mean(ent, own_tok),
-                      **({"kl": fig.share(kl)} if kl is not None else {}), **met})
+    for j, (b, weight, opts) in enumerate(passes):
+        mb = plan.minibatches[b]
+        totals = minibatch_counts(plan, b, old, cfg, update_index) if len(mb) > 1 else None
+        for k, mi in enumerate(mb):
+            logp, ent = forward(opt.model, mi, cfg, with_entropy=True)
+            if old.logp[b][k] is None:  # the first mini-batch, before any update: this forward is pi_old
+                old.take(b, k, mi, logp.detach(), plan.inputs.is_self)
+            loss, met, kl = objective(plan, b, k, logp, old, cfg, update_index,
+                                      plan.shard if totals is None else Replay(plan.world_size, totals=totals), opts)
+            if weight != 1.0:
+                loss = weight * loss
+            gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=j == len(passes) - 1 and k == len(mb) - 1)
+            if mi.phantom or j > 0:  # a partner's pass adds its gradient, not its figures
+                continue
+            per_sample = met.pop("samples", None)
+            if per_sample is not None:
+                samples.append((mi.idx, per_sample))
+            # the policy's entropy on its own samples (a peer's text says little about the learner's)
+            own_tok = mi.resp * plan.inputs.is_self[mi.idx][:, None]
+            parts.append({"loss": fig.share(loss), "entropy": fig.mean(ent, own_tok),
+                          **({"kl": fig.share(kl)} if kl is not None else {}), **met})
     merged = fig.merge_all(parts)
     # how far the step moved the weights, relative to their norm: "small step" per model
     utw = opt.last_update_to_weight
     return {"loss": merged.pop("loss"), "grad_norm": fig.same(gn), "entropy": merged.pop("entropy"),
             **({"kl": merged.pop("kl")} if "kl" in merged else {}),
-            **({"update_to_weight": fig.same(utw)} if utw is not None else {}), **merged}, samples
+            **({"update_to_weight": fig.same(utw)} if utw is not None else {}), **merged, **extra}, samples
 
 
 def with_weights(samples: list, rows: int) -> tuple[np.ndarray, dict]:
@@ -494,6 +545,10 @@ def step_figures(plan: StepPlan, updates: list[dict], samples: list, old: OldPol
             # forwards per epoch when the memory budget cut the mini-batches (else one per update)
             **({"micro_batches": sum(1 for mb in plan.minibatches for mi in mb if not mi.phantom)}
                if plan.split else {}),
+            # updates whose gradient was exactly zero (each a bare AdamW step unless skipped);
+            # absent: none (a step's figures, and so the default run's outputs, as before)
+            **({"empty_updates": n_empty} if (n_empty := sum(1 for x in logs if x["grad_norm"] == 0.0)) else {}),
+            **({"skipped_updates": opt.skipped} if cfg.trainer.skip_empty_updates else {}),
             "gen_vs_train_logprob_maxdiff": gen_gap, "old_logprobs_recomputed": old.recomputed,
             "seconds": round(secs, 2),
             "tokens_per_s": round(n_tok * cfg.trainer.epochs / max(secs, 1e-9), 1)}

@@ -244,6 +244,10 @@ class PolicyOptimizer:
         self._accumulating = False
         self.last_update_to_weight: float | None = None
         """||delta theta|| / ||theta|| of the last optimizer step (:func:`update_to_weight`)."""
+        self.last_skipped = False
+        """The last update's gradient was exactly zero and ``skip_empty_updates`` skipped its step."""
+        self.skipped = 0
+        """Updates skipped so far by this optimizer (see :meth:`_skip`)."""
 
     @property
     def model(self):
@@ -273,6 +277,9 @@ class PolicyOptimizer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             own = _grad_norm(self.module)
+            if self._skip(own):
+                self.engine.zero_grad()
+                return 0.0
             self.engine.step()
             gn = self.engine.get_global_grad_norm()
             gn = float(gn) if gn is not None else own
@@ -288,14 +295,34 @@ class PolicyOptimizer:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
             gn = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+            if self._skip(gn):
+                return 0.0
             self.optimizer.step()
         if not np.isfinite(gn):
             raise NonFiniteLossError(f"non-finite gradient norm at update {self.state.updates}")
+        self.last_skipped = False
         self.state.updates += 1
         # a wrapped AdamW (ZeRO, BF16) holds this rank's partition of the master weights
         self.last_update_to_weight = update_to_weight(
             self.optimizer, partitioned=_inner_adamw(self.optimizer) is not self.optimizer and world()[1] > 1)
         return gn
+
+    def _skip(self, grad_norm: float) -> bool:
+        """Whether this update's step is skipped: its gradient is exactly zero (over every rank)
+        and ``skip_empty_updates`` is on. A skipped update moves nothing and counts no update."""
+        empty = grad_norm == 0.0
+        if world()[1] > 1:  # every rank must take the same branch: zero only where all are
+            import torch.distributed as dist
+
+            flag = torch.tensor([0.0 if empty else 1.0], dtype=torch.float64,
+                                device=f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flag)
+            empty = float(flag) == 0.0
+        self.last_skipped = bool(empty and self.cfg.skip_empty_updates)
+        if self.last_skipped:
+            self.last_update_to_weight = None
+            self.skipped += 1
+        return self.last_skipped
 
     def save_state(self, out_dir: Path) -> None:
         """Recovery state (optimizer + RNG + counter) into ``out_dir`` (a fresh directory)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hacrl.config.schema import Config
+from hacrl.config.schema import AgentTrainerConfig, Config
 from hacrl.errors import ConfigError
 from hacrl.pipeline import params
 from hacrl.pipeline.in_process import prepare_experiment, run_in_process
@@ -101,6 +101,45 @@ def prepare_base(base_overrides: list[str], out: Path, warmup: int = 0) -> Confi
     return cfg
 
 
+def measure_agreement(overrides: list[str], out: Path, prompts: int = 32, samples: int | None = None,
+                      warmup: int = 0) -> dict:
+    """The agreement (:mod:`hacrl.study.agreement`) of warm-up pool ``warmup`` at iteration 0 under
+    ``overrides``, the pool prepared first (once, as the suite's runs start from it)."""
+    from hacrl.study import agreement
+
+    prepare_base(overrides, out, warmup)
+    base = base_dir(out, warmup)
+    cfg = _cfg(overrides + pool_overrides(warmup), base / "runs", base / "reports")
+    with contextlib.chdir(base):  # the task data of the pool
+        return agreement.measure(cfg, 0, prompts, samples)
+
+
+def check_gate(st: dict, own: list[str], out: Path, suite: str, setting: str, no_gate: bool) -> dict | None:
+    """What a setting's primary contrast needs of the pool (``gate``: at least ``min_share`` of
+    the cross samples inside ``window`` on every edge it names; None: it needs nothing), measured
+    on warm-up pool 0 with the primary's better contender's config before any run. Returns the
+    measurement and verdict; a pool that fails stops here in one line with the figures, unless
+    ``no_gate``."""
+    from hacrl.study import agreement
+
+    g = st.get("gate")
+    if g is None:
+        return None
+    if g.get("edges") is not None and not g["edges"]:
+        raise ConfigError(f"{suite}/{setting}: its gate names no edge (gate.edges is empty)")
+    res = measure_agreement(own, out, g.get("prompts", 32))
+    failing = agreement.gate(res, g.get("window", "hacpo_first"), g.get("min_share", 0.3), g.get("edges"))
+    verdict = {"window": g.get("window", "hacpo_first"), "min_share": g.get("min_share", 0.3),
+               "edges": g.get("edges"), "passed": not failing, "failing": failing, "no_gate": bool(no_gate),
+               "agreement": {k: v for k, v in res.items() if not k.startswith("_")}}
+    if failing and not no_gate:
+        raise ConfigError(f"{suite}/{setting}: the pool fails its gate: under {100 * verdict['min_share']:.0f} % of "
+                          f"cross samples inside HACPO's {verdict['window'].replace('hacpo_', '')} cross window on "
+                          f"{', '.join(failing)} (at iteration 0, {res['prompts']} dev prompts x {res['samples']} "
+                          "samples): nothing would be shared; --no-gate runs it anyway")
+    return verdict
+
+
 def pool_fingerprint(base: Path) -> str:
     """A digest of what a run starts from: the prepared pool's iteration-0 weights and the task
     data (every file under ``base/data``). A stored run is reused only on the pool and data it
@@ -112,11 +151,40 @@ def pool_fingerprint(base: Path) -> str:
     return h.hexdigest()[:16]
 
 
+NO_EFFECT = ("engines", "orchestration", "tracking")
+"""Sections that change how a run runs, never what it computes (their docs say so): left out of
+:func:`config_key`, so moving or adding such a setting keeps the kept runs."""
+
+ADDED_NEUTRAL: dict[str, object] = {
+    "algorithm.kl_clamp": None,
+    "algorithm.norm_match": False,
+    "trainer.skip_empty_updates": False,
+    "agents[].trainer": {f.name: None for f in dataclasses.fields(AgentTrainerConfig)},
+}
+"""Settings added after runs were kept, with the value that computes what the runs computed
+before they existed: at that value a setting is left out of :func:`config_key`, so a kept run
+stays reusable (at any other value the key differs: it is another run). A new setting that
+changes nothing at one of its values is listed here with that value."""
+
+
 def config_key(cfg: Config) -> str:
-    """A digest of a run's composed config, its scratch paths left out: a stored run is reused only
-    under the same settings, defaults of ``conf/`` included (the overrides alone do not say them)."""
+    """A digest of what a run computes: its composed config, defaults of ``conf/`` included (the
+    overrides alone do not say them), less its scratch paths, the :data:`NO_EFFECT` sections and
+    the :data:`ADDED_NEUTRAL` settings at their neutral value. A stored run is reused only under
+    the same digest."""
     data = dataclasses.asdict(cfg)
     data["experiment"] = {k: v for k, v in data["experiment"].items() if k not in ("runs_dir", "reports_dir")}
+    for section in NO_EFFECT:
+        data.pop(section, None)
+    for dotted, neutral in ADDED_NEUTRAL.items():
+        *path, leaf = dotted.split(".")
+        nodes = [data]
+        for part in path:  # "name[]": every item of the list ``name``
+            key, many = part.removesuffix("[]"), part.endswith("[]")
+            nodes = [x for n in nodes if isinstance(n, dict) for x in ((n.get(key) or []) if many else [n.get(key)])]
+        for node in nodes:
+            if isinstance(node, dict) and leaf in node and node[leaf] == neutral:
+                del node[leaf]
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -199,10 +267,26 @@ def grid_points(grid: list[tuple[str, list[str]]]) -> list[list[str]]:
     return [[f"{k}={v}" for (k, _), v in zip(grid, combo)] for combo in itertools.product(*[vs for _, vs in grid])]
 
 
-def dev_score(run: dict) -> float:
-    """A tuning run's score: mean dev accuracy over iterations 1..T, mean over agents (iteration
-    0 is the shared pool's held-out figure, the same for every grid point, and left out)."""
-    return float(np.mean([np.mean(a["eval_accuracy"][1:]) for a in run["agents"].values()]))
+def dev_score(run: dict, agent: str | None = None) -> float:
+    """A tuning run's score: mean dev accuracy over iterations 1..T, mean over agents, or of one
+    ``agent`` (iteration 0 is the shared pool's held-out figure, the same for every grid point,
+    and left out)."""
+    agents = [run["agents"][agent]] if agent is not None else list(run["agents"].values())
+    return float(np.mean([np.mean(a["eval_accuracy"][1:]) for a in agents]))
+
+
+def per_agent_overrides(point: str, agent: str) -> list[str]:
+    """A grid point (``trainer.lr=1e-5 ...``) as agent ``agent``'s own settings
+    (``agents.<agent>.trainer.lr=1e-5``); a key no agent sets on its own is a one-line error."""
+    own = {f.name for f in dataclasses.fields(AgentTrainerConfig)}
+    out = []
+    for ov in point.split():
+        key, _, value = ov.partition("=")
+        if not key.startswith("trainer.") or key.split(".", 1)[1] not in own:
+            raise ConfigError(f"--tune-per-agent: {key} is not a per-agent setting (agents.<name>.trainer: "
+                              f"{', '.join(sorted(own))})")
+        out.append(f"agents.{agent}.{key}={value}")
+    return out
 
 
 def resolve(overrides: list[str], n_agents: int) -> list[str]:
@@ -226,7 +310,7 @@ def rewrite_report(suite: str, setting: str = "default", reports_dir: str | os.P
     spec = SUITES[suite]
     report = write_report(old["runs"], {**spec["settings"][setting], "claims": spec["claims"]}, suite_dir / setting,
                           old.get("wall_seconds", 0.0), old.get("overrides", []), suite, setting, old.get("tuning"),
-                          old.get("warmups", 1))
+                          old.get("warmups", 1), old.get("gate"))
     write_index(suite_dir, suite)
     return report
 
@@ -234,7 +318,8 @@ def rewrite_report(suite: str, setting: str = "default", reports_dir: str | os.P
 def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_dir: str | os.PathLike = "compare",
               reports_dir: str | os.PathLike = "reports", contenders: list[str] | None = None,
               setting: str = "default", resume: bool = False, dry_run: bool = False,
-              tune: list[str] | None = None, tune_seeds: int = 2, warmups: int = 1) -> Path | str:
+              tune: list[str] | None = None, tune_seeds: int = 2, warmups: int = 1,
+              tune_per_agent: bool = False, no_gate: bool = False) -> Path | str:
     """Run ``suite`` in ``setting`` for ``seeds`` seeds (0..seeds-1) on ``warmups`` warm-up pools
     and write ``reports/<suite>/<setting>/`` and the suite's index.
 
@@ -242,11 +327,16 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     ``tune_seeds`` tuning seeds (1000, 1001, ...) evaluated on the dev split; the point with the
     best mean dev accuracy is the contender's setting for the reported seeds. A contender the
     suite or the setting lists in ``tuned_as`` (a variant of a method that changes one mechanism) is
-    not swept: it takes its method's chosen point. With ``contenders``
+    not swept: it takes its method's chosen point. With ``tune_per_agent`` (or a setting that says
+    ``tune_per_agent``), every agent takes the point of its own best dev accuracy, as its own
+    settings (``agents.<name>.trainer.*``): one lr does not suit a 270M model and a 135M one. With ``contenders``
     given, the runs of other contenders already in that setting's report (same overrides) are
     kept, so a probe can be added to a finished suite. With ``resume``, runs an interrupted suite
     finished with the same overrides are reused. With ``dry_run``, every config (tuning points
-    included) is composed and validated and the plan returned as text; nothing runs."""
+    included) is composed and validated and the plan returned as text; nothing runs but the
+    pool's preparation and its gate. A setting with a ``gate`` (:func:`check_gate`) measures the
+    pool's agreement before any run and refuses a pool its primary contrast cannot use, unless
+    ``no_gate`` (the report's first line then says so; a dry run with ``no_gate`` measures nothing)."""
     if suite not in SUITES:
         raise ConfigError(f"suite: invalid value {suite!r} (choose from {', '.join(SUITES)})")
     spec = SUITES[suite]
@@ -262,6 +352,7 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     base_overrides = st["base"] + list(overrides or [])
     grid = parse_grid(tune)
     points = grid_points(grid) if grid else []
+    tune_per_agent = tune_per_agent or bool(st.get("tune_per_agent"))
     out = Path(work_dir).resolve() / suite / setting
     n_agents = len(_cfg(base_overrides, out / "runs", out / "reports").agents)
     # a setting may add its own pairs (where runs are too dear to sweep every contender)
@@ -275,18 +366,27 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
     # comparison changes that mechanism only); the method is swept even when not reported
     parent = {c: tuned_as.get(c, c) for c in chosen}
     swept = list(dict.fromkeys(parent.values()))
+    agent_names = [a.name for a in _cfg(base_overrides, out / "runs", out / "reports").agents]
+    if tune_per_agent:  # a key no agent sets alone fails here
+        for pt in points:
+            per_agent_overrides(" ".join(pt), agent_names[0])
     if dry_run:
         for c in dict.fromkeys([*chosen, *swept]):  # a bad override fails here, before hours of runs
             for pt in points or [[]]:
                 check_splits(_cfg(own_of(c) + pt + (["eval.split=dev"] if pt else []), out / "runs", out / "reports"))
+        # a plan with --no-gate validates the configs only (it prepares and measures nothing)
+        gated = None if no_gate else check_gate(st, own_of(st["primary"]["better"]), out, suite, setting, no_gate)
         n_tune = len(swept) * len(points) * tune_seeds
         return (f"compare {suite}/{setting}: {len(chosen)} contenders x {seeds} seeds = {len(chosen) * seeds} runs "
                 f"({', '.join(chosen)}) on {warmups} warm-up pool(s)"
                 + (f", after {n_tune} dev runs tuning {' '.join(tune or [])}" if points else "")
                 + f"; primary: {st['primary']['better']} - {st['primary']['worse']} ({st['primary']['endpoint']}); "
-                f"base overrides: {' '.join(base_overrides)}; every config valid")
+                f"base overrides: {' '.join(base_overrides)}; every config valid"
+                + ("; gate not measured (--no-gate)" if no_gate and st.get("gate") else
+                   "" if gated is None else "; gate passed"))
     for c in chosen:
         check_splits(_cfg(own[c], out / "runs", out / "reports"))
+    gated = check_gate(st, own_of(st["primary"]["better"]), out, suite, setting, no_gate)
     for w in range(warmups):
         prepare_base(base_overrides, out, w)
     from tqdm import tqdm
@@ -310,20 +410,37 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
         tseeds = [TUNE_SEED0 + i for i in range(tune_seeds)]
         tune_seconds = 0.0
         scores: dict[str, dict[str, float]] = {c: {} for c in swept}
+        agent_scores: dict[str, dict[str, dict[str, list]]] = {c: {} for c in swept}
         jobs = [(c, pt, s) for s in tseeds for c in swept for pt in points]
         for c, pt, s in tqdm(jobs, desc=f"tune {suite}/{setting} on dev"):
             label = " ".join(pt)
             r = run(f"tune/{c}/{label.replace(' ', '_')}", own_of(c) + pt + ["eval.split=dev"], s)
             scores[c].setdefault(label, []).append(dev_score(r))
+            for a in r["agents"]:
+                agent_scores[c].setdefault(a, {}).setdefault(label, []).append(dev_score(r, a))
             tune_seconds += r.get("seconds", 0.0)
+
+        def best_of(sc: dict[str, float]) -> str:  # ties: the earlier grid point
+            return max(sc, key=lambda k: (sc[k], -list(sc).index(k)))
+
         dev = {c: {k: float(np.mean(v)) for k, v in sc.items()} for c, sc in scores.items()}
-        best = {c: max(sc, key=lambda k: (sc[k], -list(sc).index(k))) for c, sc in dev.items()}
+        best = {c: best_of(sc) for c, sc in dev.items()}
         tuning = {"grid": list(tune or []), "values": [" ".join(p) for p in points], "seeds": tseeds,
                   "seconds": round(tune_seconds, 1),
                   "dev_scores": dev, "chosen": {**best, **{c: best[parent[c]] for c in chosen}},
                   "tuned_as": {c: parent[c] for c in chosen if parent[c] != c}}
-        own = {c: own[c] + best[parent[c]].split() for c in chosen}
-        log.info("chosen on dev: %s", tuning["chosen"])
+        if tune_per_agent:
+            agent_dev = {c: {a: {k: float(np.mean(v)) for k, v in sc.items()} for a, sc in per.items()}
+                         for c, per in agent_scores.items()}
+            per_agent = {c: {a: best_of(agent_dev[parent[c]][a]) for a in agent_names} for c in dict.fromkeys(
+                [*swept, *chosen])}
+            tuning.update(per_agent=per_agent, agent_dev_scores=agent_dev)
+            own = {c: own[c] + [o for a in agent_names for o in per_agent_overrides(per_agent[c][a], a)]
+                   for c in chosen}
+            log.info("chosen on dev, per agent: %s", per_agent)
+        else:
+            own = {c: own[c] + best[parent[c]].split() for c in chosen}
+            log.info("chosen on dev: %s", tuning["chosen"])
     results = []
     jobs = [(c, s) for s in range(seeds) for c in chosen]
     for c, s in tqdm(jobs, desc=f"compare {suite}/{setting}"):
@@ -352,7 +469,7 @@ def run_suite(suite: str, seeds: int, overrides: list[str] | None = None, work_d
             if tuning and old.get("tuning"):  # the earlier report's tuning runs stay its raw data
                 used.update(store.glob("tune__*"))
     report = write_report(results, {**st, "claims": spec["claims"]}, suite_dir / setting, wall, base_overrides,
-                          suite, setting, tuning, warmups)
+                          suite, setting, tuning, warmups, gated)
     write_index(suite_dir, suite)
     # the store holds this report's runs only (a run of other overrides was rerun or dropped)
     for f in store.glob("*.json.gz"):

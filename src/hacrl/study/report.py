@@ -317,6 +317,18 @@ def tuning_lines(tuning: dict | None) -> list[str]:
         cells = [(f"**{100 * scores[v]:.1f}**" if v == tuning["chosen"][c] else f"{100 * scores[v]:.1f}")
                  if v in scores else "-" for v in tuning["values"]]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if tuning.get("per_agent"):
+        agents = list(next(iter(tuning["per_agent"].values())))
+        lines += ["", "Per agent (each agent takes the value of its own best dev accuracy, as its own setting "
+                  "`agents.<name>.trainer.*`): mean dev accuracy per value, chosen in bold.", "",
+                  "| contender | agent | " + " | ".join(tuning["values"]) + " |",
+                  "|---|---|" + "---|" * len(tuning["values"])]
+        for c, per in tuning["per_agent"].items():
+            scores = tuning["agent_dev_scores"].get(tuning.get("tuned_as", {}).get(c, c), {})
+            for a in agents:
+                cells = [(f"**{100 * scores[a][v]:.1f}**" if v == per[a] else f"{100 * scores[a][v]:.1f}")
+                         if v in scores.get(a, {}) else "-" for v in tuning["values"]]
+                lines.append(f"| {c} | {a} | " + " | ".join(cells) + " |")
     inherited = tuning.get("tuned_as", {})
     if inherited:
         by_parent: dict[str, list[str]] = {}
@@ -328,8 +340,67 @@ def tuning_lines(tuning: dict | None) -> list[str]:
     return lines + [""]
 
 
+def gate_lines(gate: dict | None) -> list[str]:
+    """The first line of a report whose pool failed its gate and ran anyway (``--no-gate``)."""
+    if not gate or gate.get("passed"):
+        return []
+    return [f"**Run with --no-gate: the pool failed its gate** (under {100 * gate['min_share']:.0f} % of cross samples "
+            f"inside HACPO's {gate['window'].replace('hacpo_', '')} cross window at iteration 0 on "
+            f"{', '.join(gate['failing'])}): its primary contrast cannot measure learning from peers' samples.", ""]
+
+
+def agreement_lines(gate: dict | None) -> list[str]:
+    """The pool's agreement at iteration 0, as the gate measured it before any run."""
+    if not gate or not gate.get("agreement"):
+        return []
+    a = gate["agreement"]
+    unit = a["unit"]
+    lines = ["## Agreement at iteration 0 (the gate)", "",
+             f"Measured before any run (`hacrl agreement`): {a['prompts']} dev prompts x {a['samples']} samples per "
+             f"agent, each scored by every other agent; HACPO's ratio in its configured unit ({unit}). The gate asks "
+             f"{100 * gate['min_share']:.0f} % inside the {gate['window'].replace('hacpo_', '')} cross window on "
+             f"{'every edge' if gate.get('edges') is None else ', '.join(gate['edges'])}: "
+             + ("passed." if gate["passed"] else "failed."), "",
+             "| producer -> learner | ratio q10 / q50 / q90 | gap (nats/token) | inside first window | inside last "
+             "window | mean effective weight |", "|---|---|---:|---:|---:|---:|"]
+    for k, e in a["edges"].items():
+        u = e[unit]
+        lines.append(f"| {k} | {u['q10']:.2f} / {u['q50']:.2f} / {u['q90']:.2f} | {e['gap_nats_per_token']:+.3f} | "
+                     f"{100 * u['inside_hacpo_first']:.0f} % | {100 * u['inside_hacpo_last']:.0f} % | "
+                     f"{u['weight_hacpo_first']:.3f} |")
+    return lines + [""]
+
+
+def inside_lines(results: list[dict], agents: list[str]) -> list[str]:
+    """The share of cross samples inside the clip window at each iteration's updates, per
+    contender, learner and peer (means over seeds): whether sharing happened as training went."""
+    rows = []
+    for c in dict.fromkeys(r["contender"] for r in results):
+        rs = [r for r in results if r["contender"] == c]
+        for a in agents:
+            trains = [r["agents"][a].get("train", []) for r in rs]
+            for peer in _peers([x for t in trains for x in t], a):
+                cells = []
+                below, above = f"ratio/{peer}/clipped_below", f"ratio/{peer}/clipped_above"
+                for it in range(max(len(t) for t in trains)):
+                    steps = [t[it] for t in trains if it < len(t) and below in t[it] and above in t[it]]
+                    v = [1 - x[below] - x[above] for x in steps]
+                    cells.append(f"{100 * float(np.mean(v)):.0f}" if v else "-")
+                rows.append((f"| {c} | {a} | {peer} | " + " | ".join(cells) + " |", len(cells)))
+    if not rows:
+        return []
+    n = max(k for _, k in rows)
+    rows = [r for r, _ in rows]
+    return ["## Share of cross samples inside the window, per iteration", "",
+            "Of a peer's samples in a learner's updates, the share (%) whose ratio lay inside the clip window "
+            "(the ones that pass a gradient), at each iteration (means over seeds).", "",
+            "| contender | learner | peer | " + " | ".join(f"it{t}" for t in range(1, n + 1)) + " |",
+            "|---|---|---|" + "---|" * n, *rows, ""]
+
+
 def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, overrides: list[str],
-                 suite: str, setting: str = "", tuning: dict | None = None, warmups: int = 1) -> Path:
+                 suite: str, setting: str = "", tuning: dict | None = None, warmups: int = 1,
+                 gate: dict | None = None) -> Path:
     """``reports/<suite>/<setting>/``: results.json, README.md (primary contrast first, tables,
     Holm-corrected claims), plots. ``spec``: the setting (about, primary, plot) and the suite's claims."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -342,11 +413,13 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
     write_json(out_dir / "results.json", {"suite": suite, "setting": setting, "about": spec.get("about", ""),
                                           "seeds": seeds, "warmups": warmups, "overrides": overrides,
                                           "wall_seconds": round(wall_s, 1), "primary": prim, "tuning": tuning,
+                                          **({"gate": gate} if gate else {}),
                                           "runs": run_refs(results, out_dir), "table": table, "findings": found})
     agents = list(table["agents"])
     title = f"# Comparison suite `{suite}`" + (f", setting `{setting}`" if setting else "")
     kl = next((o.split("=", 1)[1] for o in overrides if o.startswith("algorithm.kl_coef=")), None)
-    lines = [primary_line(prim) if prim else "Primary contrast: its two contenders did not both run.", "", title, "",
+    lines = [*gate_lines(gate),
+             primary_line(prim) if prim else "Primary contrast: its two contenders did not both run.", "", title, "",
              *([spec["about"], ""] if spec.get("about") else []),
              f"Seeds {seeds} on {warmups} warm-up pool{'s' if warmups > 1 else ''} (seed s uses pool s mod "
              f"{warmups}); overrides {' '.join(overrides) or '(none)'}; compute {wall_s / 60:.0f} min (the runs' own times"
@@ -366,7 +439,9 @@ def write_report(results: list[dict], spec: dict, out_dir: Path, wall_s: float, 
             lines.append(f"| {c} | {100 * row['final_mean']:.1f} +- {100 * row['final_std']:.1f} | "
                          f"{100 * row['auc_mean']:.1f} +- {100 * row['auc_std']:.1f} | {_train_figures(row, a)} |")
         lines.append("")
+    lines += agreement_lines(gate)
     lines += step_lines(results, agents)
+    lines += inside_lines(results, agents)
     if spec.get("per_iteration"):
         lines += iteration_lines(results, agents)
     lines += rescue_lines(results, agents)

@@ -27,6 +27,9 @@ HACPO_CONTENDERS = {
     # the control that isolates learning from peers: HACPO's mini-batches, updates, lr schedule and
     # pooled baseline, the cross samples' terms weighted 0
     "hacpo_cw0": ["algorithm=hacpo", "algorithm.loss.cross_weight=0"],
+    # the control that keeps the size of sharing's step and removes its direction: each update's
+    # gradient from peers' samples replaced by a step of the same norm along the own samples'
+    "hacpo_normmatch": ["algorithm=hacpo", "algorithm.norm_match=true"],
     # the equal-rollout baseline of an n-agent pool: n x G samples per prompt for each agent alone,
     # in GSPO's mini-batches of whole prompt groups (GSPO's update count; a source_blocks cut of
     # 3 x 8 samples does not divide HACPO's 512-sample mini-batches; gspo_3passes is the
@@ -54,7 +57,7 @@ HACPO_DEFAULT = [*CORE, "grpo", "hacpo_self_first", "hacpo_keep_eos", *HACPO_ABL
 """The default setting's contenders; the lr and pass-count probes run on demand (``--contenders``);
 ``--tune trainer.lr=...`` chooses every contender's lr on dev instead."""
 
-HACPO_TUNED_AS = {c: "hacpo" for c in ["hacpo_learner_tokens", "hacpo_self_first", "hacpo_keep_eos",
+HACPO_TUNED_AS = {c: "hacpo" for c in ["hacpo_learner_tokens", "hacpo_self_first", "hacpo_keep_eos", "hacpo_normmatch",
                                       *HACPO_ABLATIONS]}
 """With ``--tune``, the variants that change one mechanism of HACPO take HACPO's chosen setting (an
 ablation at another lr would change two things); the baselines and HACPO's primary control
@@ -64,11 +67,18 @@ ablation at another lr would change two things); the baselines and HACPO's prima
 # reference runs' KL (0.001, k3, on self samples) for every contender alike
 HACPO_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64", "algorithm.kl_coef=0.001"]
 
+BEFORE_CLAMP = ["algorithm.kl_clamp=null"]
+"""The settings whose runs were kept before the KL term was clamped (``algorithm.kl_clamp``) keep
+it off: their kept runs are then theirs (``hacrl compare --resume`` reuses them), and their
+reports compare like with like. A new setting runs with the clamp."""
+
 
 # the claims checked per agent: (text, better contender, worse contender); a 4th element names the
 # kind (see :func:`findings`), default ``final``
 HACPO_CLAIMS = [
     ("HACPO above its control without learning from peers (cross_weight 0)", "hacpo", "hacpo_cw0"),
+    ("HACPO above its norm-matched control (the peers' step size along the own gradient)", "hacpo", "hacpo_normmatch"),
+    ("the norm-matched control above the cross_weight-0 control (a larger step alone)", "hacpo_normmatch", "hacpo_cw0"),
     ("HACPO above GSPO x n (n agents' rollouts for one agent alone)", "hacpo", "gspo_xn"),
     ("HACPO's control (cross_weight 0) above GSPO", "hacpo_cw0", "gspo"),
     ("HACPO above GSPO x2", "hacpo", "gspo_x2"),
@@ -150,6 +160,12 @@ injected and take SGT's chosen setting; THL-aligned PRP changes only PRP's denom
 MUTUAL_STEP = ["rollout.prompts_per_iteration=128", "trainer.mini_batch_prompts=64",
                "trainer.measure_kl_to_init=true"]
 
+HACPO_GATE = {"window": "hacpo_first", "min_share": 0.3, "edges": None, "prompts": 32}
+"""What HACPO's primary contrast needs of a pool (measured at iteration 0 before any run): at least
+30 % of every edge's cross samples inside the cross window of the first update that holds them.
+Below that, HACPO and its control train on the same gradient and the contrast measures nothing
+(the pretrained pair: 0 % on both edges, every cross sample clipped)."""
+
 HACPO_PRIMARY = {"text": "HACPO above its control without learning from peers (cross_weight 0)",
                  "better": "hacpo", "worse": "hacpo_cw0", "endpoint": "auc"}
 """HACPO's question here: do the cross samples teach the learner anything, beyond what the same
@@ -163,12 +179,13 @@ SUITES: dict[str, dict] = {
     "hacpo": {
         "settings": {
             "default": {"about": "the embedded pool (three tokenizers), boxed answers",
-                        "base": [*HACPO_STEP, "experiment.iterations=6"],
-                        "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
+                        "base": [*HACPO_STEP, "experiment.iterations=6", *BEFORE_CLAMP],
+                        "primary": HACPO_PRIMARY, "plot": HACPO_PLOT, "gate": HACPO_GATE,
                         "contenders": HACPO_DEFAULT},
             "shared_tok": {"about": "two agents sharing one tokenizer at two sizes (agents=embedded_shared_tok)",
-                           "base": [*HACPO_STEP, "experiment.iterations=6", "agents=embedded_shared_tok"],
-                           "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
+                           "base": [*HACPO_STEP, "experiment.iterations=6", "agents=embedded_shared_tok",
+                                    *BEFORE_CLAMP],
+                           "primary": HACPO_PRIMARY, "plot": HACPO_PLOT, "gate": HACPO_GATE,
                            # one tokenizer: the two ratio units coincide (hacpo_learner_tokens is
                            # hacpo bit for bit, reports/hacpo/ANALYSIS.md), so it is not run
                            "contenders": [c for c in CORE if c != "hacpo_learner_tokens"]},
@@ -177,8 +194,8 @@ SUITES: dict[str, dict] = {
                            "base": ["agents=pretrained_pair", "experiment=pretrained_pair", "experiment.iterations=4",
                                     # the dev split holds 35 distinct problems at max_operand 20
                                     # (heldout_fraction / 4 of about 670)
-                                    "data.dev_size=32", "algorithm.kl_coef=0.001"],
-                           "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
+                                    "data.dev_size=32", "algorithm.kl_coef=0.001", *BEFORE_CLAMP],
+                           "primary": HACPO_PRIMARY, "plot": HACPO_PLOT, "gate": HACPO_GATE,
                            # 3 seeds, and accuracy jumps by tens of points between iterations:
                            # the report lists every run's curve, not only the means
                            "per_iteration": True,
@@ -189,8 +206,8 @@ SUITES: dict[str, dict] = {
                            "tuned_as": {"hacpo_cw0": "hacpo", "gspo_xn": "gspo"}},
             "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
                        "base": [*HACPO_STEP, "experiment.iterations=5", "data=arith_worked",
-                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],
-                       "primary": HACPO_PRIMARY, "plot": HACPO_PLOT,
+                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40", *BEFORE_CLAMP],
+                       "primary": HACPO_PRIMARY, "plot": HACPO_PLOT, "gate": HACPO_GATE,
                        "contenders": CORE},
         },
         "all": HACPO_CONTENDERS,
@@ -200,12 +217,12 @@ SUITES: dict[str, dict] = {
     "mutual": {
         "settings": {
             "default": {"about": "the embedded pool (three tokenizers), boxed answers",
-                        "base": [*MUTUAL_STEP, "experiment.iterations=6"],
+                        "base": [*MUTUAL_STEP, "experiment.iterations=6", *BEFORE_CLAMP],
                         "primary": MUTUAL_PRIMARY, "plot": MUTUAL_PLOT,
                         "contenders": MUTUAL_CORE},
             "worked": {"about": "the embedded pool writing worked solutions of tens of tokens (data=arith_worked)",
                        "base": [*MUTUAL_STEP, "experiment.iterations=5", "data=arith_worked",
-                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40"],
+                                "rollout.max_new_tokens=40", "eval.max_new_tokens=40", *BEFORE_CLAMP],
                        "primary": MUTUAL_PRIMARY, "plot": MUTUAL_PLOT,
                        "contenders": MUTUAL_CORE},
         },
