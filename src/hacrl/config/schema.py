@@ -163,8 +163,15 @@ class FieldsConfig(Settings):
 class DataConfig(Settings):
     """The task: the built-in procedural arithmetic, or local problem files."""
 
-    source: str = setting("procedural", choices=("procedural", "files"))
-    """``procedural`` (built-in arithmetic task) or ``files`` (local JSONL/Parquet)."""
+    source: str = setting("procedural", choices=("procedural", "files", "reasoning_gym"))
+    """``procedural`` (built-in arithmetic task), ``files`` (local JSONL/Parquet) or
+    ``reasoning_gym`` (the field's procedural task generators, ``data.tasks``)."""
+    tasks: dict[str, float] = setting(factory=dict, ge=0)
+    """``reasoning_gym``: its generators and their sampling weights (``{basic_arithmetic: 0.5,
+    chain_sum: 0.5}``); a split's problems are mixed by weight."""
+    task_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``reasoning_gym``: each generator's own settings (the fields of its config class: terms,
+    digits, operators, ...), e.g. ``{chain_sum: {min_terms: 2, max_terms: 3, max_digits: 2}}``."""
     levels: dict[str, float] = setting(factory=dict, ge=0)
     """Difficulty levels of the procedural task and their sampling weights (add, sub, add3, mul,
     frac). A task preset states its mix whole (``conf/data/arith.yaml``: add 0.4, sub 0.4, add3
@@ -172,13 +179,14 @@ class DataConfig(Settings):
     max_operand: int = setting(99, ge=1, le=10**9)
     """The largest operand of a procedural problem."""
     train_size: int = setting(15000, ge=0, le=10**8)
-    """Procedural training problems (>= 1 for the procedural task)."""
+    """Procedural (or reasoning-gym) training problems (>= 1 for a generated task)."""
     heldout_size: int = setting(1200, ge=0, le=10**7)
-    """Procedural held-out problems (the evaluation's; >= 1 for the procedural task)."""
+    """Procedural (or reasoning-gym) held-out problems (the evaluation's; >= 1 for a generated task)."""
     dev_size: int = setting(300, ge=1, le=10**7)
     """Dev problems: the warm-up's stopping set (files: drawn from the training file)."""
     heldout_fraction: float = setting(0.2, gt=0, lt=1)
-    """Fraction of the problem space reserved (by hash) for held-out and dev problems."""
+    """Fraction of the problem space reserved (by hash of the problem text) for held-out and dev
+    problems (procedural and reasoning-gym tasks)."""
     train_path: str | None = None
     """``files``: the training problems (a JSONL or Parquet file, or a ``datasets.save_to_disk``
     directory; see ``data.format``, ``data.fields``, ``data.answer_format``)."""
@@ -208,7 +216,7 @@ class DataConfig(Settings):
     def check(self) -> None:
         require(self.completion == "answer" or self.source == "procedural", "completion", self.completion,
                 "worked solutions exist for the procedural task only")
-        if self.source == "procedural":
+        if self.source in ("procedural", "reasoning_gym"):
             for key in ("train_size", "heldout_size"):  # unused by files (their rows are the data)
                 require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
 

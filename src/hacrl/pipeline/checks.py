@@ -51,6 +51,10 @@ def validate(cfg: Config) -> Config:
                     f"unknown level; choose from {', '.join(task_data.GENERATORS)}")
         require(sum(float(w) for w in d.levels.values()) > 0, "data.levels", d.levels,
                 f"no level has weight (levels: {', '.join(task_data.GENERATORS)}; e.g. data=arith)")
+    elif d.source == "reasoning_gym":
+        from hacrl.task import reasoning_gym
+
+        reasoning_gym.check(d.tasks, d.task_settings)
     else:
         for k in ("train_path", "heldout_path"):
             p = getattr(d, k)

@@ -158,6 +158,8 @@ NO_EFFECT = ("engines", "orchestration", "tracking")
 ADDED_NEUTRAL: dict[str, object] = {
     "algorithm.kl_clamp": None,
     "algorithm.norm_match": False,
+    "data.tasks": {},
+    "data.task_settings": {},
     "trainer.skip_empty_updates": False,
     "agents[].trainer": {f.name: None for f in dataclasses.fields(AgentTrainerConfig)},
 }

@@ -1,4 +1,4 @@
-"""prepare-data: the train / dev / held-out problem files (procedural, or from local files)."""
+"""prepare-data: the train / dev / held-out problem files (procedural, reasoning-gym, or from local files)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from hacrl.pipeline.result import Input, StageResult, numbers
 from hacrl.pipeline.table import output_identity
 from hacrl.storage import atomic_path, write_json
 from hacrl.task import data as task_data
+from hacrl.task import reasoning_gym
+from hacrl.task.rewards import VerifierPool
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,11 @@ def prepare_data(cfg: Config) -> StageResult:
             "heldout": task_data.generate_split("heldout", d.heldout_size, d.levels, d.max_operand,
                                                 d.heldout_fraction, seed),
         }
+        skipped = {}
+    elif d.source == "reasoning_gym":
+        splits = reasoning_gym.generate_splits(
+            d.tasks, d.task_settings, {"train": d.train_size, "dev": d.dev_size, "heldout": d.heldout_size},
+            d.heldout_fraction, seed)
         skipped = {}
     else:
         how = dict(fmt=d.format, fields=d.fields, answer_format=d.answer_format)
@@ -59,6 +66,12 @@ def prepare_data(cfg: Config) -> StageResult:
         manifest = {"sizes": {k: len(v) for k, v in splits.items()}, "skipped_rows": skipped,
                     **({"heldout_overlap_dropped": len(leaked)} if leaked else {}),
                     "levels": {k: sorted({p["level"] for p in v}) for k, v in splits.items()}}
+        if d.source == "reasoning_gym":  # the generator's own scorer against the reward's verifier
+            with VerifierPool.of(cfg.reward) as ver:
+                manifest["scorer_agreement"] = {k: reasoning_gym.scorer_agreement(v, d.task_settings, ver)
+                                                for k, v in splits.items()}
+            log.info("reasoning-gym's score_answer vs math-verify: %s",
+                     {k: f"{100 * v['agree']:.1f} % of {v['checks']}" for k, v in manifest["scorer_agreement"].items()})
         write_json(tmp / "manifest.json", manifest)
     log.info("task data: %s", manifest["sizes"])
     read = [(n, getattr(d, f"{n}_path")) for n in ("train", "heldout") if d.source != "procedural"]
