@@ -75,24 +75,29 @@ def _update(cfg, tmp, name, **trainer):
     return stats, batch
 
 
-def test_recompute_flag_skips_the_pass_only_where_generation_logprobs_are_exact(iteration1):
+def test_recompute_flag_skips_the_pass_only_where_generation_logprobs_are_exact(iteration1, workspaces):
     tmp, cfg = iteration1
     name = cfg.agents[0].name
     on, batch = _update(cfg, tmp, name)
     off, _ = _update(cfg, tmp, name, recompute_old_logprobs=False)
-    n_cross = int((batch["producer"] != name).sum())
-    assert n_cross > 0 and on["samples"] == len(batch)
-    # recompute on: every mini-batch but the first gets the no-grad pass
-    assert 0 < on["old_logprobs_recomputed"] < on["samples"]
-    # off (HACPO's source blocks: own block first, then the peers'): the own samples keep their
-    # generation log-probs, the cross samples (another tokenizer's tokens) are recomputed
-    assert off["old_logprobs_recomputed"] == n_cross
+    n_own = int((batch["producer"] == name).sum())
+    assert n_own < len(batch) and on["samples"] == len(batch)
+    # recompute on: every own mini-batch but the first gets the no-grad pass; HACPO never reads
+    # pi_old on peers' rows (a cross ratio's denominator is the producer's), so theirs get none
+    assert 0 < on["old_logprobs_recomputed"] < n_own
+    # off: the own samples keep their generation log-probs, no pass at all
+    assert off["old_logprobs_recomputed"] == 0
     # the gap is measured either way (on the first mini-batch's own samples at least), and small
     assert 0 < off["gen_vs_train_logprob_maxdiff"] < 1e-3
     assert on["gen_vs_train_logprob_maxdiff"] >= off["gen_vs_train_logprob_maxdiff"]
     # same first update: its pi_old is the same forward either way on own samples up to the gap
     assert on["first_ratio_mean"] == 1.0
     assert abs(off["first_ratio_mean"] - 1.0) < 1e-3
+    # a loss that reads pi_old on peers' rows (naive sharing: GSPO over every row) has them
+    # scored, in another tokenizer's tokens, with the flag off too
+    naive = workspaces.iteration("speed-naive", "algorithm=naive_share")
+    off, batch = _update(naive, workspaces.root / "speed-naive", name, recompute_old_logprobs=False)
+    assert off["old_logprobs_recomputed"] == int((batch["producer"] != name).sum()) > 0
 
 
 def test_vllm_rollouts_are_recomputed_even_with_the_flag_off(iteration1):
@@ -102,3 +107,24 @@ def test_vllm_rollouts_are_recomputed_even_with_the_flag_off(iteration1):
     st, batch = _update(vcfg, tmp, name, recompute_old_logprobs=False)
     on, _ = _update(cfg, tmp, name)
     assert st["old_logprobs_recomputed"] == on["old_logprobs_recomputed"]
+
+
+def test_shared_prompt_prefix_gives_the_same_step(iteration1, workspaces):
+    """``trainer.share_prompt_prefix``: each distinct prompt of a micro-batch runs once (its G
+    samples and the peers' responses rendered in the learner's template share its keys and
+    values): the step's figures are the whole-sequence forward's to float rounding, under a
+    micro-batch budget that cuts the mini-batches too (a prompt's rows stay together)."""
+    tmp, cfg = iteration1
+    name = cfg.agents[0].name
+    for trainer in ({}, {"micro_batch_tokens": 600}):
+        whole, _ = _update(cfg, tmp, name, **trainer)
+        shared, _ = _update(cfg, tmp, name, share_prompt_prefix=True, **trainer)
+        assert whole.keys() == shared.keys()
+        compared = 0
+        for key, a in whole.items():
+            b = shared[key]
+            timing = "seconds" in key or key.endswith("_per_s") or "peak" in key or "rss" in key
+            if isinstance(a, float) and not timing:
+                assert b == pytest.approx(a, rel=1e-3, abs=1e-5), key
+                compared += 1
+        assert compared > 10

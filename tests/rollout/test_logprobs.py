@@ -78,7 +78,7 @@ def test_step_logprobs_are_the_bits_of_generates_own_logits(greedy, tiny_problem
 def test_chunked_logprobs_and_entropies_are_the_whole_expression_bit_for_bit():
     """The vocabulary-wide softmax one chunk of positions at a time gives the bits of
     ``log_softmax(logits / T).gather(...)`` (values and gradients) and of its entropy."""
-    from hacrl.agents.scoring import entropies, selected_logprobs
+    from hacrl.agents.scoring import selected_logprobs
 
     torch.manual_seed(0)
     for B, T, V, temp, chunk in ((3, 17, 400, 1.0, 20), (5, 9, 3000, 0.7, 1), (2, 33, 257, 1.3, 10**6), (2, 40, 300, 0.9, 7)):
@@ -94,4 +94,46 @@ def test_chunked_logprobs_and_entropies_are_the_whole_expression_bit_for_bit():
         got = selected_logprobs(b, idx, temp, chunk)
         (got * w).sum().backward()
         assert torch.equal(got, ref) and torch.equal(b.grad, a.grad)
-        assert torch.equal(entropies(logits, temp, chunk), ent.detach())
+        got2, got_ent = selected_logprobs(logits.clone().requires_grad_(True), idx, temp, chunk, with_entropy=True)
+        assert torch.equal(got2, ref) and torch.equal(got_ent, ent.detach()) and not got_ent.requires_grad
+
+
+@pytest.mark.parametrize("arch, kind", [("gpt2", "bytelevel_bpe"), ("llama", "bytelevel_unigram"),
+                                        ("qwen2", "metaspace_bpe")])
+def test_shared_prefix_scoring_equals_the_whole_sequence_forward(arch, kind, tiny_problems):
+    """``trainer.share_prompt_prefix``: each distinct prompt prefilled once, its rows' responses
+    scored after its cache, gives the whole-sequence forward's log-probs, entropies and gradients
+    to float rounding, laid out as :func:`pack` lays them out (prompts of different lengths, a
+    prompt's several samples, responses of different lengths including a one-token one)."""
+    from hacrl.agents.scoring import response_span, shared_prefix_logprobs
+
+    _, agent = make_agent(arch, kind, tiny_problems)
+    tok = agent.tokenizer
+    texts = [agent.render(p["problem"]) for p in tiny_problems["heldout"][:3]] + ["Q: 1?\nA:"]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    g = torch.Generator().manual_seed(0)
+    rows_p, rows_r = [], []
+    for k, p in enumerate(prompts):
+        for n in (1, 5, 9)[: 1 + k % 3]:
+            rows_p.append(p)
+            rows_r.append(torch.randint(5, tok.vocab_size, (n,), generator=g).tolist())
+    ids, attn, resp = pack(rows_p, rows_r, tok.pad_token_id)
+
+    def run(shared: bool):
+        agent.model.zero_grad()
+        if shared:
+            lp, ent = shared_prefix_logprobs(agent.model, rows_p, rows_r, tok.pad_token_id, ids.shape[1],
+                                             0.7, with_entropy=True, chunk=7)
+        else:
+            lp, ent = token_logprobs(agent.model, ids, attn, 0.7, with_entropy=True, span=response_span(resp), chunk=7)
+        (lp * resp).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in agent.model.parameters() if p.grad is not None])
+        return lp.detach(), ent, grads
+
+    lp_a, ent_a, g_a = run(False)
+    lp_b, ent_b, g_b = run(True)
+    assert lp_b.shape == lp_a.shape
+    assert ((lp_b != 0) <= (resp > 0)).all(), "a score outside the response positions"
+    assert ((lp_a - lp_b) * resp).abs().max() < 1e-4
+    assert ((ent_a - ent_b) * resp).abs().max() < 1e-4
+    assert (g_a - g_b).norm() / g_a.norm() < 1e-4

@@ -77,18 +77,24 @@ class _SelectedLogprobs(torch.autograd.Function):
     calls, so values and gradients are the same bits as the whole-batch expression (tested)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float, chunk: int,
+                with_entropy: bool = False):
         out = torch.empty(index.shape, dtype=torch.float32, device=logits.device)
+        # the entropy from the same log-softmax (one vocabulary-wide pass per block, not two)
+        ent = torch.empty(index.shape if with_entropy else (0,), dtype=torch.float32, device=logits.device)
         for rs, ps in _blocks(logits.shape, chunk):
             ls = torch.log_softmax(_scaled(logits[rs, ps], temperature), dim=-1)
             out[rs, ps] = ls.gather(-1, index[rs, ps, None]).squeeze(-1)
+            if with_entropy:
+                ent[rs, ps] = -(ls.exp() * ls).sum(-1)
             del ls
         ctx.save_for_backward(logits, index)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, _grad_ent: torch.Tensor | None = None):
         logits, index = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -98,25 +104,17 @@ class _SelectedLogprobs(torch.autograd.Function):
             gi = torch._log_softmax_backward_data(go, ls, -1, torch.float32)
             del go, ls
             grad[rs, ps] = (gi / temperature if temperature != 1.0 else gi).to(logits.dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def selected_logprobs(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
-                      chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+                      chunk: int = LOGPROB_CHUNK, with_entropy: bool = False):
     """(B, T) log-probs of ``index`` under ``softmax(logits / temperature)`` for (B, T, V) logits,
-    in fp32, differentiable, never holding more than about ``chunk`` positions' log-softmax."""
-    return _SelectedLogprobs.apply(logits, index, float(temperature), int(chunk))
-
-
-@torch.no_grad()
-def entropies(logits: torch.Tensor, temperature: float = 1.0, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
-    """(B, T) entropy of ``softmax(logits / temperature)`` in fp32, a block of positions at a
-    time (no gradient: it is a figure, never a loss term here)."""
-    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
-    for rs, ps in _blocks(logits.shape, chunk):
-        ls = torch.log_softmax(_scaled(logits[rs, ps], temperature), dim=-1)
-        out[rs, ps] = -(ls.exp() * ls).sum(-1)
-    return out
+    in fp32, differentiable, never holding more than about ``chunk`` positions' log-softmax.
+    ``with_entropy``: also the (B, T) entropy of the same distribution (no gradient: it is a
+    figure), from the same pass over the vocabulary."""
+    logp, ent = _SelectedLogprobs.apply(logits, index, float(temperature), int(chunk), with_entropy)
+    return (logp, ent) if with_entropy else logp
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -146,8 +144,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kw)
     logits = out.logits[:, -(keep + 1):-1]
-    logp = selected_logprobs(logits, input_ids[:, L - keep:], temperature, chunk)
-    entropy = entropies(logits, temperature, chunk) if with_entropy else None
+    logp, entropy = (selected_logprobs(logits, input_ids[:, L - keep:], temperature, chunk, True) if with_entropy
+                     else (selected_logprobs(logits, input_ids[:, L - keep:], temperature, chunk), None))
     if keep < L - 1:  # the prompt positions nobody scores
         def pad(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x.new_zeros(x.shape[0], L - 1 - keep), x], dim=1)
@@ -156,3 +154,52 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if not with_entropy:
         return logp.to(where)
     return logp.to(where), entropy.to(where)
+
+
+def shared_prefix_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, width: int,
+                           temperature: float = 1.0, with_entropy: bool = False, chunk: int = LOGPROB_CHUNK):
+    """:func:`token_logprobs` of a :func:`pack` batch (``width`` = its L), each distinct prompt
+    run once: its rows (a prompt's G samples, and a sharing learner's peer responses rendered in
+    its own template) take its keys and values from one prefill.
+
+    The prompts run left-padded with the cache on; each row's cache is its prompt's (a gather,
+    through which the gradients flow back into the one prompt forward); the responses run
+    right-padded after it, their positions continuing the prompt's. Token j of a response is
+    scored by the logits before it (the prompt's last position for j = 0). The result is laid
+    out as :func:`pack`'s: (B, width-1), each response in the last positions of its row, 0
+    elsewhere. The same distributions as the whole-sequence forward, to float rounding (other
+    matrix shapes): with G samples per prompt the prompt's share of the forward falls G-fold.
+    """
+    where = torch.device("cpu")
+    dev = next(model.parameters()).device
+    keys = {tuple(p): i for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
+    unique = [list(p) for p in keys]
+    group = torch.tensor([keys[tuple(p)] for p in prompts], dtype=torch.long, device=dev)
+    lp_len = max(len(p) for p in unique)
+    p_ids = torch.tensor([[pad_id] * (lp_len - len(p)) + p for p in unique], dtype=torch.long, device=dev)
+    p_attn = torch.tensor([[0] * (lp_len - len(p)) + [1] * len(p) for p in unique], dtype=torch.long, device=dev)
+    pre = model(input_ids=p_ids, attention_mask=p_attn, position_ids=position_ids_from_mask(p_attn), use_cache=True,
+                logits_to_keep=1)
+    cache = pre.past_key_values
+    cache.batch_select_indices(group)
+    r_len = max(1, max(len(r) for r in responses))
+    r_ids = torch.tensor([r + [pad_id] * (r_len - len(r)) for r in responses], dtype=torch.long, device=dev)
+    r_attn = torch.tensor([[1] * len(r) + [0] * (r_len - len(r)) for r in responses], dtype=torch.long, device=dev)
+    start = p_attn.sum(1)[group]  # each row's first response position
+    out = model(input_ids=r_ids, attention_mask=torch.cat([p_attn[group], r_attn], dim=1),
+                position_ids=start[:, None] + torch.arange(r_len, device=dev)[None, :], use_cache=False,
+                cache=cache)
+    # the logits that score response token j: the prompt's last for j = 0, the response's j-1 after
+    logits = torch.cat([pre.logits[:, -1:][group], out.logits[:, :-1]], dim=1)
+    lp, ent = selected_logprobs(logits, r_ids, temperature, chunk, True) if with_entropy else \
+        (selected_logprobs(logits, r_ids, temperature, chunk), None)
+    # into pack's layout: row i's response in its last len(r_i) positions of (B, width - 1)
+    B = len(responses)
+    rows = torch.tensor([i for i, r in enumerate(responses) for _ in r], dtype=torch.long, device=dev)
+    src = torch.tensor([j for r in responses for j in range(len(r))], dtype=torch.long, device=dev)
+    dst = torch.tensor([width - 1 - len(r) + j for r in responses for j in range(len(r))], dtype=torch.long, device=dev)
+
+    def place(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(B, width - 1).index_put((rows, dst), x[rows, src]).to(where)
+
+    return (place(lp), place(ent)) if with_entropy else place(lp)

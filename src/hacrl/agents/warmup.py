@@ -32,7 +32,8 @@ def greedy_answers(agent: Agent, problems: list[dict], max_new_tokens: int,
     engine = HFEngine(agent.model, agent.tokenizer, batch_size=batch_size, desc=f"eval {agent.name}",
                       max_batch_tokens=max_batch_tokens)
     comps = cut_at_stop(engine.generate([agent.render(p["problem"]) for p in problems],
-                                        SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)),
+                                        SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens,
+                                                       stop=agent.stop)),
                         agent.tokenizer, agent.stop)
     return [(p["answer"], c.text) for p, c in zip(problems, comps)]
 

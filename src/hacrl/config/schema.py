@@ -509,6 +509,13 @@ class TrainerConfig(Settings):
     (transformers' ``activation_checkpointing_enable``, non-reentrant): the training forward's
     activation memory drops from every layer's to one layer's plus the layer inputs, for about a
     third more compute. The no-grad passes never keep activations anyway."""
+    share_prompt_prefix: bool = False
+    """Run each distinct prompt of a micro-batch once in the update's forwards (its rows take its
+    keys and values; the gradients flow back through them): a prompt's G samples, and a sharing
+    learner's peer responses rendered in its template, share one prefill. The same distributions
+    to float rounding (other matrix shapes), so not bit for bit; on a pool whose prompts are
+    longer than its responses (a few-shot template) the update's transformer work falls
+    several-fold. Micro-batches then hold whole prompt groups."""
     skip_empty_updates: bool = False
     """Skip the optimizer step of an update whose gradient is exactly zero (every sample clipped
     out of its window, e.g. a block of peers' samples no cross ratio reaches): no AdamW step, so

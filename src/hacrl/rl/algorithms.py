@@ -65,6 +65,10 @@ class Registered:
     between any ``rows``, or between whole prompt ``groups`` only (a loss that reads a group)."""
     hooks: StepHooks | None = None
     """What the loss adds to a learner's step besides its loss (see :class:`StepHooks`)."""
+    reads_peer_old: bool = True
+    """Whether the loss reads the learner's pi_old on peers' rows. HACPO does not (a cross ratio's
+    denominator is the producer's trace): the update then spends no forward pass on pi_old (or on
+    the reference model) for a micro-batch of peers' rows only."""
     own_only: Callable | None = None
     """``own_only(opts) -> opts``: the options under which the loss keeps its own samples' terms
     and drops the peers' (their rows stay in the mean's count): what the norm-matched control
@@ -98,7 +102,8 @@ LOSS_LEVELS = ("token", "sequence")
 
 def _register(table: dict[str, Registered], name: str, options: type, level: str | None = None,
               needs: tuple[str, ...] = (), rows: Callable | None = None, layouts: tuple[str, ...] | None = None,
-              hooks: StepHooks | None = None, split: str = "rows", own_only: Callable | None = None):
+              hooks: StepHooks | None = None, split: str = "rows", own_only: Callable | None = None,
+              reads_peer_old: bool = True):
     if split not in ("rows", "groups"):
         raise ValueError(f"{name}: split must be rows or groups")
     if not (dataclasses.is_dataclass(options) and "name" in {f.name for f in dataclasses.fields(options)}):
@@ -107,7 +112,8 @@ def _register(table: dict[str, Registered], name: str, options: type, level: str
     def deco(fn: Callable) -> Callable:
         if name in table:
             raise ValueError(f"{name!r} is registered twice ({table[name].fn.__qualname__} and {fn.__qualname__})")
-        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, split, hooks, own_only)
+        table[name] = Registered(name, fn, options, level, tuple(needs), rows, layouts, split, hooks, reads_peer_old,
+                                 own_only)
         return fn
     return deco
 
@@ -120,13 +126,14 @@ def register_advantage(name: str, options: type, needs: tuple[str, ...] = ()):
 
 def register_loss(name: str, options: type, level: str, rows: Callable | None = None,
                   layouts: tuple[str, ...] | None = None, hooks: StepHooks | None = None, split: str = "rows",
-                  own_only: Callable | None = None):
+                  own_only: Callable | None = None, reads_peer_old: bool = True):
     """Register ``fn(inp: LossInputs, opts) -> (loss, metrics)``; ``level``: token or sequence;
-    ``rows``, ``layouts``, ``split``, ``hooks`` and ``own_only``: see :class:`Registered`."""
+    ``rows``, ``layouts``, ``split``, ``hooks``, ``own_only`` and ``reads_peer_old``: see
+    :class:`Registered`."""
     if level not in LOSS_LEVELS:
         raise ValueError(f"loss {name!r}: level must be one of {LOSS_LEVELS}")
     return _register(LOSSES, name, options, level, rows=rows, layouts=layouts, hooks=hooks, split=split,
-                     own_only=own_only)
+                     own_only=own_only, reads_peer_old=reads_peer_old)
 
 
 def build_options(table: dict[str, Registered], section: Any, key: str):
@@ -397,7 +404,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, shard:
     sequence, then mean over the sequences the mask selects (a row without any masked token,
     e.g. a cross sample, neither counts nor dilutes the mean). ``clamp`` c (verl's
     ``low_var_kl``: 10): ``r`` clamped to ``[-2c, 2c]``, each token's value to ``[-c, c]``."""
-    r = ref_logp - logp
+    r = (ref_logp - logp) * mask  # positions outside the mask contribute 0, never exp(inf) * 0
     if clamp is not None:
         r = r.clamp(-2 * clamp, 2 * clamp)
     k = torch.exp(r) - r - 1
@@ -513,7 +520,7 @@ def stepwise_lower_bound(update_index: int, delta: float, delta_step: float) -> 
     return min(1.0, 1.0 - delta + update_index * delta_step)
 
 
-@register_loss("hacpo", HacpoLossOptions, level="sequence",
+@register_loss("hacpo", HacpoLossOptions, level="sequence", reads_peer_old=False,
                own_only=lambda opts: dataclasses.replace(opts, cross_weight=0.0))
 def hacpo_loss(inp: LossInputs, opts: HacpoLossOptions):
     """HACPO loss of one mini-batch of learner k, one ratio per sample.

@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from hacrl.agents.pool import Agent
-from hacrl.agents.scoring import pack, response_span, token_logprobs
+from hacrl.agents.scoring import pack, response_span, shared_prefix_logprobs, token_logprobs
 from hacrl.config.schema import Config
 from hacrl.groups import pooled_reward_stats
 from hacrl.rl import figures as fig
@@ -91,6 +91,10 @@ class Micro:
     gen_lp: torch.Tensor
     behavior: torch.Tensor
     span: int | None
+    prompts: list = dataclasses.field(default_factory=list)
+    """Each row's prompt and response ids (the shared-prefix forward reads them)."""
+    responses: list = dataclasses.field(default_factory=list)
+    pad: int = 0
     phantom: bool = False
     """A rank's stand-in micro-batch when it has fewer than another rank (its loss weighs 0)."""
 
@@ -108,11 +112,11 @@ def _aligned(values: list[list[float]], resp_mask: torch.Tensor) -> torch.Tensor
 def pack_micro(batch: pd.DataFrame, idx: np.ndarray, pad: int, response_only: bool) -> Micro:
     """Rows ``idx`` of the learner's batch, left-padded into one forward's tensors."""
     rows = batch.iloc[idx]
-    ids, attn, resp = pack([list(x) for x in rows["input_prompt_ids"]], [list(x) for x in rows["input_response_ids"]],
-                           pad)
+    prompts, responses = [list(x) for x in rows["input_prompt_ids"]], [list(x) for x in rows["input_response_ids"]]
+    ids, attn, resp = pack(prompts, responses, pad)
     return Micro(idx, ids, attn, resp, _aligned([list(x) for x in rows["old_logprobs"]], resp),
                  _aligned([list(x) for x in rows["behavior_logprobs_aligned"]], resp),
-                 response_span(resp) if response_only else None)
+                 response_span(resp) if response_only else None, prompts, responses, pad)
 
 
 def _all_max(values: list[int]) -> list[int]:
@@ -207,7 +211,9 @@ def plan_step(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, omega: 
     full = layout(batch, cfg, agent.name, seed)
     # data parallelism: every rank lays out the same mini-batches and keeps its prompt groups
     mbs = [rank_rows(batch["prompt_id"], idx, rank, world_size) for idx in full]
-    groups = inputs.group_ids.numpy() if loss_reg.split == "groups" else None
+    # whole prompt groups per micro-batch where the loss reads a group, or where the rows of one
+    # prompt share its forward (trainer.share_prompt_prefix)
+    groups = inputs.group_ids.numpy() if loss_reg.split == "groups" or cfg.trainer.share_prompt_prefix else None
     packed = cut_minibatches(batch, mbs, groups, cfg, agent.tokenizer.pad_token_id, agent.name)
     if world_size > 1:  # every rank, cut or not: the ranks agree on each update's micro-batch count
         add_phantoms(packed, agent.name)
@@ -225,7 +231,11 @@ def plan_step(agent: Agent, batch: pd.DataFrame, cfg: Config, seed: int, omega: 
 # ----------------------------------------------------------------------------- 2. old log-probs
 
 def forward(model, mi: Micro, cfg: Config, with_entropy: bool = False):
-    """The model's per-token log-probs (and entropies) on a micro-batch at the sampling temperature."""
+    """The model's per-token log-probs (and entropies) on a micro-batch at the sampling temperature
+    (each distinct prompt run once with ``trainer.share_prompt_prefix``)."""
+    if cfg.trainer.share_prompt_prefix:
+        return shared_prefix_logprobs(model, mi.prompts, mi.responses, mi.pad, mi.ids.shape[1],
+                                      cfg.rollout.temperature, with_entropy, cfg.trainer.logprob_chunk)
     return token_logprobs(model, mi.ids, mi.attn, cfg.rollout.temperature, with_entropy=with_entropy, span=mi.span,
                           chunk=cfg.trainer.logprob_chunk)
 
@@ -244,13 +254,21 @@ class OldPolicy:
     """The largest |generation - trainer| log-prob on an own token the trainer scored."""
     recomputed: int = 0
     """Rows whose pi_old the trainer scored in a no-grad pass."""
+    unmeasured: set = dataclasses.field(default_factory=set)
+    """First-update micro-batches (0, k) whose pi_old came from generation without a trainer pass:
+    their first training forward, at the step's weights, measures the gap (:meth:`measure`)."""
+
+    def measure(self, mi: Micro, lp: torch.Tensor, is_self: torch.Tensor) -> None:
+        """Note how far the generation log-probs are from the trainer's ``lp`` on own tokens."""
+        self_mask = mi.resp * is_self[mi.idx][:, None]
+        if bool(self_mask.any()):
+            self.gen_gap = max(self.gen_gap, float(((lp - mi.gen_lp).abs() * self_mask).max()))
 
     def take(self, m: int, k: int, mi: Micro, lp: torch.Tensor, is_self: torch.Tensor) -> torch.Tensor:
         """Micro-batch (m, k)'s pi_old from the trainer's log-probs ``lp`` at the step's start
         (the generation log-probs on own tokens where ``use_generation``); notes the gap."""
+        self.measure(mi, lp, is_self)
         self_mask = mi.resp * is_self[mi.idx][:, None]
-        if bool(self_mask.any()):
-            self.gen_gap = max(self.gen_gap, float(((lp - mi.gen_lp).abs() * self_mask).max()))
         self.logp[m][k] = torch.where(self_mask.bool(), mi.gen_lp, lp) if self.use_generation else lp
         return self.logp[m][k]
 
@@ -259,29 +277,41 @@ def old_logprobs(model, ref_model, plan: StepPlan, cfg: Config) -> OldPolicy:
     """pi_old (and pi_ref) of every micro-batch, one micro-batch at a time, without gradients.
 
     ``trainer.recompute_old_logprobs`` (verl's "recompute"): the trainer's own forward for every
-    sample, so the first update's ratio is exactly 1. Off: own samples of an engine whose
-    generation log-probs are the trainer's (``exact_logprobs``) keep them; other rows (cross
-    samples, in another tokenizer's tokens; vLLM's kernels) are still scored. When nothing
-    needs every pi_old before the first update (no KL reference, no micro-batch counts), the
-    first mini-batch's pi_old is its first training forward, detached: the same bits as a
-    no-grad pass (tests/rl/test_update_speed.py), one forward fewer.
+    sample, so the first update's ratio is exactly 1. Off: a micro-batch of own samples of an
+    engine whose generation log-probs are the trainer's (``exact_logprobs``) keeps them, no pass
+    (the first update's forward measures the gap); other rows (cross samples, in another
+    tokenizer's tokens; vLLM's kernels) are still scored, unless the loss never reads pi_old on
+    peers' rows (HACPO) and the micro-batch holds no own row. When nothing needs every pi_old
+    before the first update (no KL reference, no micro-batch counts), the first mini-batch's
+    pi_old is its first training forward, detached: the same bits as a no-grad pass
+    (tests/rl/test_update_speed.py), one forward fewer. The reference model scores the
+    micro-batches that hold own rows only (the KL term and its measurement read no other).
     """
     use_gen = not cfg.trainer.recompute_old_logprobs and engine_spec(cfg.rollout.engine).exact_logprobs
     old = OldPolicy([[None] * len(mb) for mb in plan.minibatches], None, use_gen)
     is_self = plan.inputs.is_self
     deferred = ref_model is None and not plan.split
+    # a micro-batch of peers' rows only, for a loss that never reads pi_old there, needs no pass
+    unread = [[not LOSSES[cfg.algorithm.loss.name].reads_peer_old and not bool(is_self[mi.idx].any()) for mi in mb]
+              for mb in plan.minibatches]
     with torch.no_grad():
         for m, mb in enumerate(plan.minibatches):
             for k, mi in enumerate(mb):
+                if unread[m][k]:
+                    old.logp[m][k] = torch.zeros_like(mi.gen_lp)
+                    continue
                 if deferred and m == 0:
                     continue
-                if deferred and use_gen and bool(is_self[mi.idx].all()):
+                if use_gen and bool(is_self[mi.idx].all()):  # own samples of an exact engine
                     old.logp[m][k] = mi.gen_lp
+                    if m == 0:
+                        old.unmeasured.add((m, k))
                     continue
                 old.take(m, k, mi, forward(model, mi, cfg), is_self)
                 old.recomputed += 0 if mi.phantom else len(mi.idx)
-        if ref_model is not None:
-            old.ref = [[forward(ref_model, mi, cfg) for mi in mb] for mb in plan.minibatches]
+        if ref_model is not None:  # the KL term and its measurement read own rows only
+            old.ref = [[forward(ref_model, mi, cfg) if bool(is_self[mi.idx].any()) else torch.zeros_like(mi.gen_lp)
+                        for mi in mb] for mb in plan.minibatches]
     return old
 
 
@@ -379,6 +409,18 @@ def norm_matched(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, c
     return c, p, own_opts, figures
 
 
+def reaches_model(loss: torch.Tensor, logp: torch.Tensor) -> bool:
+    """Whether any gradient of ``loss`` reaches the model. A loss reads the model only through the
+    log-probs ``logp`` (:func:`objective`'s one differentiable input), so its gradient there being
+    exactly zero (every token clipped, every advantage and the KL term's weight 0) means the
+    backward through the model would give exactly zero gradients. Costs the loss's own backward
+    to ``logp`` (elementwise), not the model's."""
+    if not loss.requires_grad:
+        return False
+    (g,) = torch.autograd.grad(loss, logp, retain_graph=True, allow_unused=True)
+    return g is not None and bool(g.ne(0).any())
+
+
 def run_update(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, cfg: Config,
                update_index: int) -> tuple[dict[str, fig.Part], list]:
     """One optimizer update on mini-batch ``m``: one forward and backward per micro-batch (each
@@ -402,11 +444,16 @@ def run_update(opt: PolicyOptimizer, plan: StepPlan, m: int, old: OldPolicy, cfg
             logp, ent = forward(opt.model, mi, cfg, with_entropy=True)
             if old.logp[b][k] is None:  # the first mini-batch, before any update: this forward is pi_old
                 old.take(b, k, mi, logp.detach(), plan.inputs.is_self)
+            elif update_index == 0 and (b, k) in old.unmeasured:  # at the step's weights still
+                old.measure(mi, logp.detach(), plan.inputs.is_self)
             loss, met, kl = objective(plan, b, k, logp, old, cfg, update_index,
                                       plan.shard if totals is None else Replay(plan.world_size, totals=totals), opts)
             if weight != 1.0:
                 loss = weight * loss
-            gn = opt.micro_step(loss * 0.0 if mi.phantom else loss, last=j == len(passes) - 1 and k == len(mb) - 1)
+            # a loss with no gradient (a phantom; every token clipped or weighted 0) skips the
+            # backward through the model: the same all-zero gradients, at the cost of a sum
+            live = not mi.phantom and reaches_model(loss, logp)
+            gn = opt.micro_step(loss if live else opt.zero_loss(loss), last=j == len(passes) - 1 and k == len(mb) - 1)
             if mi.phantom or j > 0:  # a partner's pass adds its gradient, not its figures
                 continue
             per_sample = met.pop("samples", None)

@@ -254,6 +254,16 @@ class PolicyOptimizer:
         """The callable used for the forward pass (the engine when there is one)."""
         return self.engine if self.engine is not None else self.module
 
+    def zero_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A stand-in for ``loss`` (its value checked finite) whose backward gives every trainable
+        parameter an all-zero gradient without a pass through the model: for a micro-batch whose
+        loss reaches no weight (``rl.step.reaches_model``). The optimizer then steps exactly as
+        after the full backward (zero gradients, not absent ones: AdamW still applies its momentum
+        and weight decay; ranks still reduce)."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"non-finite loss {loss.item()} at update {self.state.updates}")
+        return sum(p.sum() * 0.0 for p in self.module.parameters() if p.requires_grad)
+
     def step(self, loss: torch.Tensor) -> float:
         """Backward + clipped optimizer step with the ramped learning rate for a whole mini-batch
         (one micro-batch that is also the last); returns the gradient norm."""

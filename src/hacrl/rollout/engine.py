@@ -31,6 +31,11 @@ class SamplingParams:
     max_new_tokens: int = 16
     greedy: bool = False
     seed: int = 0
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (``agents[*].stop``): an engine may stop generating a
+    sequence once one appears. Only a speed-up: :func:`cut_at_stop` cuts every engine's
+    completions after the first stop string all the same, and the tokens before it do not depend
+    on when generation stopped."""
 
 
 @dataclass

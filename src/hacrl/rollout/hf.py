@@ -134,6 +134,8 @@ class HFEngine:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
             kw = dict(do_sample=False) if params.greedy else dict(
                 do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+            if params.stop:  # a finished row samples on (the random stream is unchanged) but its tokens are pad
+                kw.update(stop_strings=list(params.stop), tokenizer=tok)
             dev = next(self.model.parameters()).device  # a GPU when the job was placed on one
             steps = _StepLogprobs(1.0 if params.greedy else params.temperature)
             hook = self.model.register_forward_hook(steps, with_kwargs=True)

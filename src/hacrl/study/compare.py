@@ -158,6 +158,7 @@ NO_EFFECT = ("engines", "orchestration", "tracking")
 ADDED_NEUTRAL: dict[str, object] = {
     "algorithm.kl_clamp": None,
     "algorithm.norm_match": False,
+    "trainer.share_prompt_prefix": False,
     "data.tasks": {},
     "data.task_settings": {},
     "trainer.skip_empty_updates": False,
