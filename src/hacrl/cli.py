@@ -502,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(fn=cmd_compare)
     b = sub.add_parser("bench", help="benchmark a stage against what users would run instead; "
                                      "writes reports/bench/SUITE.json and .md")
-    b.add_argument("suite", help="all, rollout, update, verify, evaluate, align or pipeline")
+    from hacrl.study.bench.runner import SUITES
+
+    b.add_argument("suite", help=f"all (every suite, in this order), {', '.join(SUITES)}")
     b.add_argument("--size", default="full", help="full (minutes per suite) or smoke (seconds, for CI)")
     b.add_argument("--reps", type=int, default=None, help="measured rounds after the warm-up (default: per suite)")
     b.add_argument("--out", default="reports/bench", help="where SUITE.json and SUITE.md go (default: reports/bench)")

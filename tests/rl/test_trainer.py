@@ -82,6 +82,51 @@ def test_a_planted_pickle_in_the_recovery_state_never_runs(tmp_path, backend, ze
     assert not marker.exists()
 
 
+def test_update_to_weight_in_place_is_the_written_out_expression_bit_for_bit(monkeypatch):
+    """The figure's in-place arithmetic (no 64 MB temporary per operation) gives the bits of the
+    expression it replaced, chunk boundaries included."""
+    import hacrl.rl.trainer as trainer
+
+    monkeypatch.setattr(trainer, "UPDATE_CHUNK", 1000)  # several chunks per tensor
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (2500, 700)]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+    for _ in range(3):
+        for q in params:
+            q.grad = torch.randn(q.shape, generator=g)
+        opt.step()
+    acc = torch.zeros(2, dtype=torch.float64)
+    gr = opt.param_groups[0]
+    lr, wd, eps, (b1, b2) = gr["lr"], gr["weight_decay"], gr["eps"], gr["betas"]
+    for q in params:
+        st = opt.state[q]
+        t = float(st["step"])
+        bc1, bc2 = 1 - b1 ** t, (1 - b2 ** t) ** 0.5
+        for th, m, v in zip(q.detach().split(1000), st["exp_avg"].split(1000), st["exp_avg_sq"].split(1000)):
+            u = (m.float() / bc1) / (v.float().sqrt() / bc2 + eps)
+            prev = (th.float() + lr * u) / (1 - lr * wd)
+            acc[0] += (lr * u + lr * wd * prev).pow(2).sum(dtype=torch.float64)
+            acc[1] += prev.pow(2).sum(dtype=torch.float64)
+    d2, w2 = acc.tolist()
+    assert trainer.update_to_weight(opt, partitioned=False) == (d2 ** 0.5) / (w2 ** 0.5)
+
+
+def test_adamw_foreach_takes_the_steps_of_the_one_tensor_loop():
+    """The trainer's AdamW runs foreach (one pass per operation over all tensors); on a CPU it
+    takes the same steps, bit for bit, as torch's default one-tensor-at-a-time loop."""
+    out = []
+    for foreach in (False, True):
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((300, 20), (20,), (7, 7))]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+        for _ in range(4):
+            for q in params:
+                q.grad = torch.randn(q.shape, generator=g)
+            opt.step()
+        out.append([q.detach().clone() for q in params])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
 @pytest.mark.parametrize("backend, zero, wd", [("deepspeed", 0, 0.0), ("deepspeed", 2, 0.1), ("torch", 0, 0.1)])
 def test_update_to_weight_is_the_step_measured_on_a_copy_of_the_weights(backend, zero, wd):
     """The "small step" figure, recovered from AdamW's state, equals ||theta_t - theta_{t-1}|| /

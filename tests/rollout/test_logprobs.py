@@ -12,13 +12,15 @@ from conftest import make_agent
 
 @pytest.mark.parametrize("arch, kind", [("gpt2", "bytelevel_bpe"), ("llama", "bytelevel_unigram"),
                                         ("qwen2", "metaspace_bpe")])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_generation_logprobs_match_training_forward(arch, kind, temperature, tiny_problems):
+@pytest.mark.parametrize("temperature, sampler", [(1.0, "multinomial"), (0.7, "multinomial"), (0.7, "inverse_cdf")])
+def test_generation_logprobs_match_training_forward(arch, kind, temperature, sampler, tiny_problems):
     _, agent = make_agent(arch, kind, tiny_problems)
     # prompts of different lengths so the batch is left-padded
     prompts = [agent.render(p["problem"]) for p in tiny_problems["heldout"][:6]] + ["Q: 1?\nA:"]
-    comps = HFEngine(agent.model, agent.tokenizer, batch_size=64).generate(
-        prompts, SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=1))
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=1, sampler=sampler)
+    comps = HFEngine(agent.model, agent.tokenizer, batch_size=64).generate(prompts, params)
+    again = HFEngine(agent.model, agent.tokenizer, batch_size=64).generate(prompts, params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in comps]  # reproducible from the seed
     lens = {len(c.prompt_token_ids) for c in comps}
     assert len(lens) > 1, "the batch must mix prompt lengths (left padding)"
     ids, attn, resp = pack([c.prompt_token_ids for c in comps], [c.token_ids for c in comps],
@@ -100,17 +102,21 @@ def test_chunked_logprobs_and_entropies_are_the_whole_expression_bit_for_bit():
 
 @pytest.mark.parametrize("arch, kind", [("gpt2", "bytelevel_bpe"), ("llama", "bytelevel_unigram"),
                                         ("qwen2", "metaspace_bpe")])
-def test_shared_prefix_scoring_equals_the_whole_sequence_forward(arch, kind, tiny_problems):
+@pytest.mark.parametrize("one_token_prompt", [False, True])
+def test_shared_prefix_scoring_equals_the_whole_sequence_forward(arch, kind, one_token_prompt, tiny_problems):
     """``trainer.share_prompt_prefix``: each distinct prompt prefilled once, its rows' responses
     scored after its cache, gives the whole-sequence forward's log-probs, entropies and gradients
     to float rounding, laid out as :func:`pack` lays them out (prompts of different lengths, a
-    prompt's several samples, responses of different lengths including a one-token one)."""
+    prompt's several samples, responses of different lengths including a one-token one; with a
+    one-token prompt, whose rows have no prefix to share)."""
     from hacrl.agents.scoring import response_span, shared_prefix_logprobs
 
     _, agent = make_agent(arch, kind, tiny_problems)
     tok = agent.tokenizer
     texts = [agent.render(p["problem"]) for p in tiny_problems["heldout"][:3]] + ["Q: 1?\nA:"]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    if one_token_prompt:  # nothing to cache before its last token: the whole-sequence forward
+        prompts.append(prompts[0][:1])
     g = torch.Generator().manual_seed(0)
     rows_p, rows_r = [], []
     for k, p in enumerate(prompts):
@@ -137,3 +143,31 @@ def test_shared_prefix_scoring_equals_the_whole_sequence_forward(arch, kind, tin
     assert ((lp_a - lp_b) * resp).abs().max() < 1e-4
     assert ((ent_a - ent_b) * resp).abs().max() < 1e-4
     assert (g_a - g_b).norm() / g_a.norm() < 1e-4
+
+
+def test_inverse_cdf_sampler_draws_the_distribution_that_multinomial_draws():
+    """rollout.sampler=inverse_cdf: the token frequencies are softmax(logits / T) (within sampling
+    noise, 40,000 draws), and top-p keeps the tokens transformers' TopPLogitsWarper keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from hacrl.rollout.hf import InverseCDFSampler
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=g) * 2
+    torch.manual_seed(1)
+    counts = torch.zeros(3, 40)
+    draw = InverseCDFSampler(0.7)
+    for _ in range(400):  # 100 rows per call: 40,000 draws per distribution
+        out = draw(None, logits.repeat_interleave(100, 0))
+        assert ((out == 0).sum(-1) == 1).all() and torch.isinf(out).sum() == out.numel() - out.shape[0]
+        counts += (out == 0).float().view(3, 100, 40).sum(1)
+    p = torch.softmax(logits / 0.7, -1)
+    assert ((counts / 40000 - p).abs() <= 4 * (p * (1 - p) / 40000).sqrt() + 1e-3).all()
+    # the nucleus: the same support as transformers' warper
+    for top_p in (0.3, 0.8, 0.95):
+        kept = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        seen = torch.zeros_like(kept)
+        nucleus = InverseCDFSampler(1.0, top_p)
+        for _ in range(300):
+            seen |= nucleus(None, logits) == 0
+        assert (seen <= kept).all() and seen.sum() >= kept.sum() - 1

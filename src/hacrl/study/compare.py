@@ -159,6 +159,7 @@ ADDED_NEUTRAL: dict[str, object] = {
     "algorithm.kl_clamp": None,
     "algorithm.norm_match": False,
     "trainer.share_prompt_prefix": False,
+    "rollout.sampler": "multinomial",
     "data.tasks": {},
     "data.task_settings": {},
     "trainer.skip_empty_updates": False,

@@ -57,7 +57,7 @@ def generate_rollouts(cfg: Config, t: int, live: dict | None = None) -> StageRes
                 engine = engines.open(ac, agent, lay.checkpoint(t - 1, ac.name), where)
                 rendered = [agent.render(p["problem"]) for p in prompts]
                 params = SamplingParams(n=cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                        max_new_tokens=r.max_new_tokens, stop=agent.stop,
+                                        sampler=r.sampler, max_new_tokens=r.max_new_tokens, stop=agent.stop,
                                         seed=hash_seed(cfg.experiment.seed, "rollout", t, ac.name))
                 t1 = time.time()
                 try:

@@ -24,7 +24,8 @@ from hacrl.study.bench.core import SuiteResult, table, write
 
 log = logging.getLogger(__name__)
 
-SUITES = ("rollout", "rollout_smollm2", "update", "verify", "evaluate", "align", "pipeline", "memory", "memory_generate")
+SUITES = ("rollout", "rollout_smollm2", "update", "update_smollm2", "verify", "evaluate", "align", "pipeline",
+          "memory", "memory_generate", "pretrained_iteration")
 """In the order ``hacrl bench all`` runs them."""
 
 SIZES = ("smoke", "full")

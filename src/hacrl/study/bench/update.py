@@ -90,8 +90,10 @@ def _trl_inputs(cfg, name: str, t: int):
     return prompts, comps, adv, len(mbs), max(len(m) for m in mbs)
 
 
-def _trl_setup(cfg, name: str, t: int, out_dir: Path):
-    """A GRPOTrainer over a freshly loaded agent, its 'generation' handing back the stage's batch."""
+def _trl_setup(cfg, name: str, t: int, out_dir: Path, micro: int | None = None):
+    """A GRPOTrainer over a freshly loaded agent, its 'generation' handing back the stage's batch;
+    ``micro``: samples per forward (gradient accumulation over the mini-batch; default: the whole
+    mini-batch in one forward)."""
     import torch
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -99,6 +101,10 @@ def _trl_setup(cfg, name: str, t: int, out_dir: Path):
 
     prompts, comps, adv, n_mb, mb = _trl_inputs(cfg, name, t)
     n = n_mb * mb
+    per_device = micro or mb
+    if mb % per_device:
+        raise ValueError(f"bench: {mb} samples per mini-batch do not split into forwards of {per_device}")
+    gas = mb // per_device
     prompts, comps, adv = prompts[:n], comps[:n], adv[:n]  # equal mini-batches (TRL splits evenly)
     agent = _load(cfg, name, t)
     pad = agent.tokenizer.pad_token_id
@@ -125,8 +131,8 @@ def _trl_setup(cfg, name: str, t: int, out_dir: Path):
             return out
 
     tc = cfg.trainer
-    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=mb, gradient_accumulation_steps=1,
-                      steps_per_generation=n_mb, num_generations=cfg.samples_per_prompt, max_steps=n_mb,
+    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=per_device, gradient_accumulation_steps=gas,
+                      steps_per_generation=n_mb * gas, num_generations=cfg.samples_per_prompt, max_steps=n_mb,
                       learning_rate=tc.lr, lr_scheduler_type="constant", warmup_steps=0,
                       adam_beta1=tc.adam_betas[0], adam_beta2=tc.adam_betas[1], weight_decay=tc.weight_decay,
                       max_grad_norm=tc.grad_clip, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo",
